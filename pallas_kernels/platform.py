@@ -1,0 +1,31 @@
+"""Facts about the device a kernel will run on, shared by every op's launcher and heuristics."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.experimental.pallas import triton as plt
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """`None` means: interpret where Pallas cannot compile (the CPU), compile on GPUs."""
+    if interpret is not None:
+        return interpret
+    return jax.default_backend() == "cpu"
+
+
+def num_cores() -> int:
+    """Streaming multiprocessors / compute units of the default device; CPU cores on the CPU."""
+    dev = jax.devices()[0]
+    count = getattr(dev, "core_count", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    return os.cpu_count() or 1
+
+
+def triton_params(num_warps: int = 4, num_stages: int | None = None) -> plt.CompilerParams:
+    """Always passed explicitly: the params' type is what selects the Triton lowering (kernels.md C.1)."""
+    if num_stages is None:
+        num_stages = 1 if jax.default_backend() == "rocm" else 2
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)

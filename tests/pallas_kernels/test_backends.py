@@ -1,0 +1,76 @@
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import backends
+from pallas_kernels.backends import BackendError, Implementation
+
+
+@pytest.fixture
+def toy_op():
+    op = "toy_op_for_tests"
+    backends.register(
+        Implementation(
+            op,
+            "reference",
+            fn=lambda: "ref",
+            priority=0,
+            platforms=frozenset({"cpu", "cuda", "rocm"}),
+        )
+    )
+    backends.register(
+        Implementation(
+            op,
+            "pallas",
+            fn=lambda: "pallas",
+            priority=10,
+            platforms=frozenset({"cuda", "rocm"}),
+            interpret_platforms=frozenset({"cpu"}),
+            dtypes=frozenset({"float32", "bfloat16"}),
+            head_dims=frozenset({64, 128}),
+            features=frozenset({"ragged"}),
+        )
+    )
+    yield op
+    del backends._REGISTRY[op]
+
+
+def test_gpu_prefers_pallas(toy_op):
+    c = backends.select(toy_op, platform="cuda", dtype=jnp.bfloat16, head_dim=128)
+    assert c.impl == "pallas" and not c.interpret and c.rejected == ()
+
+
+def test_cpu_default_is_reference_with_reason(toy_op):
+    c = backends.select(toy_op, platform="cpu", dtype=jnp.float32, head_dim=128)
+    assert c.impl == "reference"
+    assert c.rejected[0][0] == "pallas" and "platform 'cpu'" in c.rejected[0][1]
+
+
+def test_forced_pallas_on_cpu_runs_in_interpret_mode(toy_op):
+    c = backends.select(toy_op, impl="pallas", platform="cpu", dtype=jnp.float32, head_dim=64)
+    assert c.impl == "pallas" and c.interpret
+
+
+def test_every_argument_is_checked(toy_op):
+    c = backends.select(toy_op, platform="rocm", dtype=jnp.float32, head_dim=256)
+    assert c.impl == "reference" and "head_dim 256" in c.rejected[0][1]
+    c = backends.select(toy_op, platform="rocm", dtype=jnp.float16, head_dim=64)
+    assert c.impl == "reference" and "dtype float16" in c.rejected[0][1]
+    c = backends.select(toy_op, platform="cuda", head_dim=64, features={"ragged", "soft_cap"})
+    assert c.impl == "reference" and "soft_cap" in c.rejected[0][1]
+
+
+def test_forcing_an_ineligible_impl_raises_with_reason(toy_op):
+    with pytest.raises(BackendError, match="head_dim 256"):
+        backends.select(toy_op, impl="pallas", platform="cuda", head_dim=256)
+    with pytest.raises(BackendError, match="unknown implementation 'triton'"):
+        backends.select(toy_op, impl="triton", platform="cuda")
+
+
+def test_no_eligible_impl_names_every_reason(toy_op):
+    with pytest.raises(BackendError, match="pallas: .*sinks.*reference: .*sinks"):
+        backends.select(toy_op, platform="cuda", features={"sinks"})
+
+
+def test_unknown_op():
+    with pytest.raises(BackendError, match="unknown op"):
+        backends.select("no_such_op")
