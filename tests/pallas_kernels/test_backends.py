@@ -15,6 +15,7 @@ def toy_op():
             fn=lambda: "ref",
             priority=0,
             platforms=frozenset({"cpu", "cuda", "rocm"}),
+            features=frozenset({"ragged", "soft_cap"}),
         )
     )
     backends.register(
