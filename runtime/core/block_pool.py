@@ -26,7 +26,7 @@ class BlockPoolError(ValueError):
     """Misuse of a block pool; the pool passed in is left as it was."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class BlockPool:
     num_blocks: int
     block_size: int
@@ -44,6 +44,13 @@ class BlockPool:
     # e.g. two requests that computed the same prefix at the same time; tables stay append-only).
     hash_of: Map
     index: Map
+
+    def __repr__(self) -> str:
+        # The maps can hold 100k+ entries; a summary keeps notebooks and test failures readable.
+        return (
+            f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_free={self.num_free}, num_held={len(self.refs)}, num_cached={len(self.hash_of)})"
+        )
 
 
 def make_block_pool(num_blocks: int, block_size: int) -> BlockPool:
