@@ -1,0 +1,78 @@
+"""EngineConfig: every engine knob in one validated value, with errors that name the bad setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16")
+_ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+_OFFLOAD = (None, "host", "mooncake")
+
+
+class ConfigError(ValueError):
+    """An engine setting is out of range or inconsistent with another."""
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    attention_backend: str = "auto"
+    kv_offload: str | None = None
+    kv_offload_bytes: int = 256 << 20
+    mooncake_master: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+            if self.num_kv_blocks < 2:
+                raise ConfigError("num_kv_blocks must be at least 2 (block 0 is the null block)")
+        if self.kv_cache_bytes is not None:
+            _positive("kv_cache_bytes", self.kv_cache_bytes)
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.kv_offload not in _OFFLOAD:
+            raise ConfigError(f"kv_offload must be one of {_OFFLOAD}, got {self.kv_offload!r}")
+        if self.kv_offload == "mooncake" and not self.mooncake_master:
+            raise ConfigError("kv_offload='mooncake' needs mooncake_master='HOST:PORT'")
+        _positive("kv_offload_bytes", self.kv_offload_bytes)
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}"
+            )

@@ -1,0 +1,140 @@
+"""SchedulerOutput -> one padded ragged device batch.
+
+The runner keeps a small mutable mirror of each live request (its tokens and block table), updated from
+the scheduler's new-request data and cached-request deltas. Every step the scheduled tokens of all
+requests are laid out back to back in one flat token axis; sizes are padded up to a few bucket sizes so
+that the number of compiled shapes stays small and known.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestRow:
+    """The runner's mirror of one live request (shell state, mutated in place)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    prompt_len: int
+    sampling_params: object
+    num_computed_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... up to the first power of two >= hi (so `hi` itself always fits)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(b)
+    return tuple(out)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"size {n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's device inputs as host arrays, plus where each request's rows landed."""
+
+    arrays: dict[str, np.ndarray]
+    req_ids: tuple[str, ...]  # batch order
+    sampling_req_ids: tuple[str, ...]  # requests that sample a token this step, in logits-row order
+    prompt_logprob_rows: dict[str, tuple[int, int]] = field(
+        default_factory=dict
+    )  # req -> (start, n)
+    num_tokens: int = 0
+
+
+class BatchBuilder:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
+        self.seq_buckets = power_of_two_buckets(1, max_num_seqs)
+        self._seen_shapes: set[tuple[int, int, int]] = set()
+
+    def build(
+        self,
+        rows: Mapping[str, RequestRow],
+        num_scheduled_tokens: Mapping[str, int],
+        order: Sequence[str],
+        *,
+        want_prompt_logprobs: frozenset[str] = frozenset(),
+    ) -> HostBatch:
+        bs = self.block_size
+        num_tokens = sum(num_scheduled_tokens[r] for r in order)
+        t_pad = bucket(num_tokens, self.token_buckets)
+        s_pad = bucket(len(order), self.seq_buckets)
+
+        token_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, -1, np.int32)
+        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
+        kv_lens = np.zeros(s_pad, np.int32)
+        cu_q_lens = np.zeros(s_pad + 1, np.int32)
+
+        sampling, logits_rows, prompt_rows = [], [], {}
+        start = 0
+        for i, rid in enumerate(order):
+            row = rows[rid]
+            n = num_scheduled_tokens[rid]
+            c = row.num_computed_tokens
+            pos = np.arange(c, c + n, dtype=np.int32)
+            table = np.asarray(row.block_ids, np.int32)
+            token_ids[start : start + n] = row.token_ids[c : c + n]
+            positions[start : start + n] = pos
+            slot_mapping[start : start + n] = table[pos // bs] * bs + pos % bs
+            block_tables[i, : len(table)] = table
+            kv_lens[i] = c + n
+            cu_q_lens[i + 1] = start + n
+            if rid in want_prompt_logprobs and c < row.prompt_len:
+                prompt_rows[rid] = (start, min(n, row.prompt_len - c))
+            if c + n >= len(row.token_ids):
+                sampling.append(rid)
+                logits_rows.append(start + n - 1)
+            start += n
+        cu_q_lens[len(order) + 1 :] = start
+
+        shape = (t_pad, s_pad, self.max_blocks_per_seq)
+        if shape not in self._seen_shapes:
+            self._seen_shapes.add(shape)
+            log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d", *shape)
+
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[: len(logits_rows)] = logits_rows
+        arrays = dict(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_lens=kv_lens,
+            cu_q_lens=cu_q_lens,
+            num_seqs=np.asarray(len(order), np.int32),
+            logits_indices=logits_indices,
+        )
+        return HostBatch(arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens)
