@@ -76,6 +76,12 @@ class BatchBuilder:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(1, max_num_seqs)
+        # The table width bounds the context every sequence gathers; bucketing it to the batch's
+        # longest context keeps short-context steps from paying for max_model_len.
+        self.block_buckets = tuple(
+            min(b, self.max_blocks_per_seq)
+            for b in power_of_two_buckets(1, self.max_blocks_per_seq)
+        )
         self._seen_shapes: set[tuple[int, int, int]] = set()
 
     def build(
@@ -90,11 +96,15 @@ class BatchBuilder:
         num_tokens = sum(num_scheduled_tokens[r] for r in order)
         t_pad = bucket(num_tokens, self.token_buckets)
         s_pad = bucket(len(order), self.seq_buckets)
+        longest = max(
+            (rows[r].num_computed_tokens + num_scheduled_tokens[r] for r in order), default=1
+        )
+        mb_pad = bucket(-(-longest // bs), self.block_buckets)
 
         token_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(t_pad, -1, np.int32)
-        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
+        block_tables = np.zeros((s_pad, mb_pad), np.int32)
         kv_lens = np.zeros(s_pad, np.int32)
         cu_q_lens = np.zeros(s_pad + 1, np.int32)
 
@@ -109,7 +119,8 @@ class BatchBuilder:
             token_ids[start : start + n] = row.token_ids[c : c + n]
             positions[start : start + n] = pos
             slot_mapping[start : start + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, : len(table)] = table
+            used = -(-(c + n) // bs)
+            block_tables[i, :used] = table[:used]
             kv_lens[i] = c + n
             cu_q_lens[i + 1] = start + n
             if rid in want_prompt_logprobs and c < row.prompt_len:
@@ -120,7 +131,7 @@ class BatchBuilder:
             start += n
         cu_q_lens[len(order) + 1 :] = start
 
-        shape = (t_pad, s_pad, self.max_blocks_per_seq)
+        shape = (t_pad, s_pad, mb_pad)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
             log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d", *shape)

@@ -1,0 +1,51 @@
+import numpy as np
+import pytest
+
+from runtime.runner.inputs import BatchBuilder, RequestRow, bucket, power_of_two_buckets
+
+
+def test_buckets_cover_the_limit():
+    assert power_of_two_buckets(16, 100) == (16, 32, 64, 128)
+    assert power_of_two_buckets(1, 1) == (1,)
+    assert bucket(17, (16, 32)) == 32
+    with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
+        bucket(33, (16, 32))
+
+
+def test_mixed_prefill_chunk_and_decode_layout():
+    bb = BatchBuilder(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
+    rows = {
+        # decode: 6 tokens known, 5 computed -> computes the last one and samples
+        "a": RequestRow(
+            "a",
+            list(range(100, 106)),
+            [7, 3],
+            prompt_len=5,
+            sampling_params=None,
+            num_computed_tokens=5,
+        ),
+        # prefill chunk 4..9 of a 12-token prompt: no sample this step
+        "b": RequestRow(
+            "b",
+            list(range(200, 212)),
+            [9, 2, 5],
+            prompt_len=12,
+            sampling_params=None,
+            num_computed_tokens=4,
+        ),
+    }
+    hb = bb.build(rows, {"a": 1, "b": 6}, ["a", "b"])
+    a = hb.arrays
+    assert hb.num_tokens == 7 and a["token_ids"].shape == (16,)
+    np.testing.assert_array_equal(a["token_ids"][:7], [105, 204, 205, 206, 207, 208, 209])
+    np.testing.assert_array_equal(a["positions"][:7], [5, 4, 5, 6, 7, 8, 9])
+    # slot = block * 4 + offset: a's position 5 -> block 3 offset 1; b's 4..9 -> blocks 2, 2, 2, 2, 5, 5
+    np.testing.assert_array_equal(a["slot_mapping"][:7], [13, 8, 9, 10, 11, 20, 21])
+    assert (a["slot_mapping"][7:] == -1).all()
+    np.testing.assert_array_equal(a["cu_q_lens"], [0, 1, 7])
+    np.testing.assert_array_equal(a["kv_lens"], [6, 10])
+    assert int(a["num_seqs"]) == 2
+    assert a["block_tables"].shape == (2, 4)  # 10 tokens -> 3 blocks, bucketed to 4
+    np.testing.assert_array_equal(a["block_tables"][1, :3], [9, 2, 5])
+    assert hb.sampling_req_ids == ("a",)
+    assert a["logits_indices"][0] == 0
