@@ -1,0 +1,114 @@
+"""Ragged paged attention over a flat batch of prefill chunks and decodes, and the KV cache write.
+
+`ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
+Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
+reason logged.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels import backends
+from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention.cache_write import write_kv
+
+OP = "ragged_paged_attention"
+
+__all__ = ["OP", "ragged_paged_attention", "write_kv"]
+
+
+def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"{OP}: q must be [T, Hq, D], got shape {q.shape}")
+    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{OP}: k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
+            "[num_blocks, block_size, Hkv, D]"
+        )
+    t, hq, d = q.shape
+    _, _, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"{OP}: cache head dim {dk} != q head dim {d}")
+    if hq % hkv:
+        raise ValueError(f"{OP}: q heads {hq} not a multiple of kv heads {hkv}")
+    if block_tables.ndim != 2:
+        raise ValueError(f"{OP}: block_tables must be [S, max_blocks], got {block_tables.shape}")
+    s = block_tables.shape[0]
+    if kv_lens.shape != (s,) or cu_q_lens.shape != (s + 1,):
+        raise ValueError(
+            f"{OP}: kv_lens {kv_lens.shape} and cu_q_lens {cu_q_lens.shape} must be [{s}] and "
+            f"[{s + 1}] for block_tables {block_tables.shape}"
+        )
+    if getattr(num_seqs, "shape", ()) not in ((), (1,)):
+        raise ValueError(f"{OP}: num_seqs must be a scalar, got shape {num_seqs.shape}")
+
+
+def features_of(sliding_window, soft_cap) -> frozenset[str]:
+    f = {"ragged"}
+    if sliding_window is not None:
+        f.add("sliding_window")
+    if soft_cap is not None:
+        f.add("soft_cap")
+    return frozenset(f)
+
+
+def select(q, k_cache, *, sliding_window=None, soft_cap=None, impl="auto", platform=None):
+    """The backend choice for a call with these arguments (also usable at engine configuration)."""
+    return backends.select(
+        OP,
+        impl=impl,
+        platform=platform,
+        dtype=q.dtype,
+        head_dim=q.shape[-1],
+        features=features_of(sliding_window, soft_cap),
+        kv_dtype=k_cache.dtype.name if hasattr(k_cache.dtype, "name") else str(k_cache.dtype),
+        block_size=k_cache.shape[1],
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+    )
+
+
+def ragged_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_kv_splits: int | str = "auto",
+    impl: str = "auto",
+    interpret: bool | None = None,
+):
+    """Causal attention of a flat token batch against a paged KV cache; see reference.py for shapes.
+
+    `num_kv_splits` ("auto" or an int) only affects the Pallas kernel; every split count gives the
+    same result within float tolerance.
+    """
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"{OP}: sliding_window must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"{OP}: soft_cap must be > 0 or None, got {soft_cap}")
+    choice = select(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if choice.impl == "pallas":
+        kwargs["num_kv_splits"] = num_kv_splits
+        kwargs["interpret"] = choice.interpret if interpret is None else interpret
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    return choice.fn(*args, **kwargs)
+
+
+backends.register(
+    backends.Implementation(
+        OP,
+        "reference",
+        fn=reference.ragged_paged_attention,
+        priority=0,
+        platforms=frozenset({"cpu", "cuda", "rocm"}),
+        features=frozenset({"ragged", "sliding_window", "soft_cap"}),
+    )
+)

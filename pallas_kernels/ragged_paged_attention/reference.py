@@ -1,0 +1,127 @@
+"""Plain-jnp ragged paged attention: the oracle for the Pallas kernel and the default path on CPU.
+
+The flat token batch is cut into work items of `chunk` query tokens of one sequence each (a sequence
+of q_len tokens makes ceil(q_len / chunk) items). Each item gathers its sequence's pages once and
+attends with one batched einsum, so a long prefill does not gather its context once per token, and a
+decode batch does not pay for a query block per sequence larger than it needs. The chunk size is
+chosen statically from the shapes to balance those two costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def work_item_count(num_tokens: int, max_seqs: int, chunk: int) -> int:
+    """Upper bound on the items a batch of `num_tokens` tokens over `max_seqs` sequences makes.
+
+    Every item holds at least one token, and a sequence wastes at most one partial item.
+    """
+    return max(1, min(-(-num_tokens // chunk) + max_seqs, num_tokens))
+
+
+def choose_chunk(num_tokens: int, max_seqs: int, ctx: int, hq: int, hkv: int, d: int) -> int:
+    """Query tokens per work item minimising score work (items x chunk x ctx x hq) plus the gathered
+    context (items x ctx x hkv x d), both static functions of the shapes."""
+    best, best_cost = 1, None
+    c = 1
+    while c <= _pow2_ceil(num_tokens):
+        w = work_item_count(num_tokens, max_seqs, c)
+        cost = w * ctx * (c * hq + hkv * d)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = c, cost
+        c *= 2
+    return best
+
+
+def work_items(cu_q_lens, num_seqs, num_tokens: int, chunk: int):
+    """Per item: (sequence, first token, number of tokens). Unused items have 0 tokens."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    w = work_item_count(num_tokens, max_seqs, chunk)
+    present = jnp.arange(max_seqs) < num_seqs
+    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    n_items = (q_lens + chunk - 1) // chunk
+    ends = jnp.cumsum(n_items)
+    ids = jnp.arange(w, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1).astype(jnp.int32)
+    first_item = ends[seq] - n_items[seq]
+    start = cu_q_lens[seq] + (ids - first_item) * chunk
+    ntok = jnp.where(ids < ends[-1], jnp.minimum(chunk, cu_q_lens[seq + 1] - start), 0)
+    return seq, start.astype(jnp.int32), ntok.astype(jnp.int32)
+
+
+def ragged_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+):
+    """q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; output [T, Hq, D] in q's dtype.
+
+    Sequence s's query tokens are the last q_len positions of its kv_lens[s] context (causal).
+    Tokens past cu_q_lens[num_seqs] produce zeros.
+    """
+    t, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    max_seqs, max_blocks = block_tables.shape
+    g = hq // hkv
+    ctx = max_blocks * bs
+    chunk = choose_chunk(t, max_seqs, ctx, hq, hkv, d)
+    seq, start, ntok = work_items(cu_q_lens, num_seqs, t, chunk)
+    w = seq.shape[0]
+
+    rows = start[:, None] + jnp.arange(chunk)[None, :]  # [W, C]
+    row_ok = jnp.arange(chunk)[None, :] < ntok[:, None]
+    qw = q[jnp.clip(rows, 0, t - 1)].reshape(w, chunk, hkv, g, d)
+
+    pages = block_tables[seq]  # [W, MB]
+    kw = k_cache[pages].reshape(w, ctx, hkv, d)
+    vw = v_cache[pages].reshape(w, ctx, hkv, d)
+
+    kv_len = kv_lens[seq]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    q_pos = (kv_len - q_len + (start - cu_q_lens[seq]))[:, None] + jnp.arange(chunk)[None, :]
+    k_pos = jnp.arange(ctx)
+    key_ok = k_pos[None, :] < kv_len[:, None]  # [W, L]
+    mask = key_ok[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        mask &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    mask &= row_ok[:, :, None]  # [W, C, L]
+
+    s = jnp.einsum(
+        "wckgd,wlkd->wkgcl",
+        qw.astype(jnp.float32),
+        kw.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    m4 = mask[:, None, None, :, :]
+    s = jnp.where(m4, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(m4, jnp.exp(s - m), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    # Zero the values outside the context too: 0 * NaN from a stale page would poison the row.
+    vw = jnp.where(key_ok[:, :, None, None], vw.astype(jnp.float32), 0.0)
+    o = jnp.einsum("wkgcl,wlkd->wckgd", p, vw, precision=jax.lax.Precision.HIGHEST)
+
+    dest = jnp.where(row_ok, rows, t).reshape(-1)
+    out = jnp.zeros((t, hq, d), q.dtype)
+    return out.at[dest].set(o.reshape(w * chunk, hq, d).astype(q.dtype), mode="drop")
