@@ -1,0 +1,302 @@
+"""Request value types: SamplingParams, multimodal inputs, request status and the Request itself.
+
+All are frozen values. User-facing constructors validate their fields and normalise lists to
+tuples; the scheduler derives new requests from valid ones with `evolve`, which skips validation
+because it runs for every request every step.
+"""
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+
+from runtime.core.block_pool import BlockHash
+
+__all__ = [
+    "FinishReason",
+    "MultiModalInput",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "evolve",
+]
+
+_GREEDY_EPS = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bad(owner: str, name: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"{owner}.{name}={value!r}: expected {expected}")
+
+
+def _int_tuple(owner: str, name: str, value: object, *, minimum: int = 0) -> tuple[int, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise _bad(owner, name, value, f"a sequence of ints >= {minimum}")
+    items = tuple(value)
+    for item in items:
+        if not _is_int(item) or item < minimum:
+            raise _bad(owner, name, value, f"a sequence of ints >= {minimum} (bad item {item!r})")
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """vLLM's sampling parameters (same names, defaults and ranges)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # (token id, bias) pairs sorted by token id; a dict or Map is accepted and normalised.
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+
+    def __post_init__(self) -> None:
+        own = "SamplingParams"
+        set_ = object.__setattr__
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad(own, "n", self.n, "an int >= 1")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise _bad(own, "temperature", self.temperature, "a finite float >= 0")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad(own, "top_p", self.top_p, "a float in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad(own, "top_k", self.top_k, "an int >= 1, or 0 / -1 to disable")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _bad(own, "min_p", self.min_p, "a float in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise _bad(own, name, value, "a float in [-2, 2]")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise _bad(own, "repetition_penalty", self.repetition_penalty, "a float > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad(own, "seed", self.seed, "an int or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad(own, "max_tokens", self.max_tokens, "an int >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad(own, "min_tokens", self.min_tokens, "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad(own, "min_tokens", self.min_tokens, f"<= max_tokens={self.max_tokens}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
+            raise _bad(own, "stop", self.stop, "a non-empty string or a sequence of them")
+        set_(self, "stop", tuple(stop))
+        set_(self, "stop_token_ids", _int_tuple(own, "stop_token_ids", self.stop_token_ids))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(own, name, getattr(self, name), "a bool")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _bad(own, name, value, "an int >= 0 (number of top logprobs) or None")
+        if self.logit_bias is not None:
+            set_(self, "logit_bias", _normalise_bias(self.logit_bias))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+def _normalise_bias(value: object) -> tuple[tuple[int, float], ...]:
+    pairs = value.items() if isinstance(value, Mapping) else value
+    expected = "a mapping or pairs of (token id: int >= 0, bias: finite float)"
+    if not isinstance(pairs, Iterable):
+        raise _bad("SamplingParams", "logit_bias", value, expected)
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise _bad("SamplingParams", "logit_bias", value, expected)
+        token, bias = pair
+        if not _is_int(token) or token < 0 or not _is_real(bias) or token in out:
+            raise _bad("SamplingParams", "logit_bias", value, expected + ", ids unique")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """One multimodal item: its encoder output fills `num_embeds` placeholder tokens at `offset`."""
+
+    content_hash: str
+    offset: int
+    num_embeds: int
+
+    def __post_init__(self) -> None:
+        own = "MultiModalInput"
+        if not isinstance(self.content_hash, str) or not self.content_hash:
+            raise _bad(own, "content_hash", self.content_hash, "a non-empty str")
+        if not _is_int(self.offset) or self.offset < 0:
+            raise _bad(own, "offset", self.offset, "an int >= 0")
+        if not _is_int(self.num_embeds) or self.num_embeds < 1:
+            raise _bad(own, "num_embeds", self.num_embeds, "an int >= 1")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_embeds
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # Reserved for KV load jobs: waiting until remote KV has arrived.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_ABORTED,
+    )
+)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams = SamplingParams()
+    eos_token_id: int | None = None
+    # Wall time or engine step; only its order matters (FCFS and priority ties).
+    arrival_time: float = 0.0
+    # Lower is more urgent (vLLM semantics).
+    priority: int = 0
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    output_token_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    # Hash chain of the full blocks of all its tokens (filled by the scheduler).
+    block_hashes: tuple[BlockHash, ...] = ()
+    stop_reason: int | str | None = None
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        own = f"Request({self.request_id!r})"
+        set_ = object.__setattr__
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise _bad("Request", "request_id", self.request_id, "a non-empty str")
+        prompt = _int_tuple(own, "prompt_token_ids", self.prompt_token_ids)
+        if not prompt:
+            raise _bad(own, "prompt_token_ids", self.prompt_token_ids, "at least one token id")
+        set_(self, "prompt_token_ids", prompt)
+        set_(self, "output_token_ids", _int_tuple(own, "output_token_ids", self.output_token_ids))
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise _bad(own, "sampling_params", self.sampling_params, "a SamplingParams")
+        if self.eos_token_id is not None and (
+            not _is_int(self.eos_token_id) or self.eos_token_id < 0
+        ):
+            raise _bad(own, "eos_token_id", self.eos_token_id, "an int >= 0 or None")
+        if not _is_real(self.arrival_time):
+            raise _bad(own, "arrival_time", self.arrival_time, "a finite number")
+        if not _is_int(self.priority):
+            raise _bad(own, "priority", self.priority, "an int (lower is more urgent)")
+        set_(self, "mm_inputs", _check_mm_inputs(own, self.mm_inputs, len(prompt)))
+        for name in ("lora_name", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise _bad(own, name, value, "a str or None")
+        if not isinstance(self.status, RequestStatus):
+            raise _bad(own, "status", self.status, "a RequestStatus")
+        for name in ("num_computed_tokens", "num_preemptions"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise _bad(own, name, value, "an int >= 0")
+        if self.num_computed_tokens > self.num_tokens:
+            raise _bad(
+                own, "num_computed_tokens", self.num_computed_tokens, f"<= {self.num_tokens}"
+            )
+        set_(self, "block_hashes", tuple(self.block_hashes))
+        if self.finish_reason is not None and not isinstance(self.finish_reason, FinishReason):
+            raise _bad(own, "finish_reason", self.finish_reason, "a FinishReason or None")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+def _check_mm_inputs(owner: str, value: object, prompt_len: int) -> tuple[MultiModalInput, ...]:
+    if not isinstance(value, Iterable):
+        raise _bad(owner, "mm_inputs", value, "a sequence of MultiModalInput")
+    items = tuple(value)
+    end = 0
+    for item in items:
+        if not isinstance(item, MultiModalInput):
+            raise _bad(owner, "mm_inputs", value, f"MultiModalInput items (bad item {item!r})")
+        if item.offset < end:
+            raise _bad(owner, "mm_inputs", value, "placeholders sorted by offset, not overlapping")
+        end = item.end
+    if end > prompt_len:
+        raise _bad(owner, "mm_inputs", value, f"placeholders inside the {prompt_len}-token prompt")
+    return items
+
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(Request))
+_REQUEST_FIELD_SET = frozenset(_REQUEST_FIELDS)
+_new = object.__new__
+_set = object.__setattr__
+
+
+def evolve(request: Request, **changes: object) -> Request:
+    """`dataclasses.replace` without re-validation, for transitions that keep a request valid.
+
+    Only the scheduler calls it, with values it derived from a valid request; it is several times
+    cheaper than `replace`, which matters because every running request changes every step.
+    """
+    if not changes.keys() <= _REQUEST_FIELD_SET:
+        raise TypeError(
+            f"evolve: unknown Request fields {sorted(changes.keys() - _REQUEST_FIELD_SET)}"
+        )
+    out = _new(Request)
+    for name in _REQUEST_FIELDS:
+        _set(out, name, changes[name] if name in changes else getattr(request, name))
+    return out
