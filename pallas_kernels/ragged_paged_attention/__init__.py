@@ -8,8 +8,10 @@ reason logged.
 from __future__ import annotations
 
 from pallas_kernels import backends
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import kernel, reference
 from pallas_kernels.ragged_paged_attention.cache_write import write_kv
+from pallas_kernels.ragged_paged_attention.heuristics import MAX_ROWS
+from pallas_kernels.ragged_paged_attention.work_items import pow2_ceil
 
 OP = "ragged_paged_attention"
 
@@ -110,5 +112,39 @@ backends.register(
         priority=0,
         platforms=frozenset({"cpu", "cuda", "rocm"}),
         features=frozenset({"ragged", "sliding_window", "soft_cap"}),
+    )
+)
+
+
+def _pallas_limits(q: backends.Query) -> str | None:
+    kv_dtype = q.extra.get("kv_dtype")
+    if q.dtype is not None and kv_dtype is not None and kv_dtype != q.dtype:
+        return f"kv cache dtype {kv_dtype} differs from q dtype {q.dtype} (no quantized KV yet)"
+    bs = q.extra.get("block_size")
+    if bs is not None and (bs & (bs - 1) or not 1 <= bs <= 128):
+        return f"block_size {bs} not a power of two in [1, 128]"
+    hq, hkv = q.extra.get("num_q_heads"), q.extra.get("num_kv_heads")
+    if hq is not None and hkv is not None and pow2_ceil(hq // hkv) > MAX_ROWS:
+        return f"GQA group {hq // hkv} above {MAX_ROWS} q heads per kv head"
+    return None
+
+
+backends.register(
+    backends.Implementation(
+        OP,
+        "pallas",
+        fn=kernel.ragged_paged_attention,
+        priority=10,
+        platforms=backends.GPU_PLATFORMS,
+        interpret_platforms=frozenset({"cpu"}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        # Power-of-two head dims only (block shapes must be). 256 is left to the jnp path: its
+        # [rows, 256] f32 accumulator plus a [64, 256] K/V tile per step has not been shown to fit a
+        # program's registers; restore it once tests/pallas_kernels/test_ragged_paged_attention.py
+        # covers D=256 in interpret mode and the gpu_kernels benchmark has a D=256 case passing
+        # (ok=true) on both a CUDA and a ROCm device.
+        head_dims=frozenset({16, 32, 64, 128}),
+        features=frozenset({"ragged", "sliding_window", "soft_cap"}),
+        check=_pallas_limits,
     )
 )

@@ -9,22 +9,15 @@ chosen statically from the shapes to balance those two costs.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def work_item_count(num_tokens: int, max_seqs: int, chunk: int) -> int:
-    """Upper bound on the items a batch of `num_tokens` tokens over `max_seqs` sequences makes.
-
-    Every item holds at least one token, and a sequence wastes at most one partial item.
-    """
-    return max(1, min(-(-num_tokens // chunk) + max_seqs, num_tokens))
+from pallas_kernels.ragged_paged_attention.work_items import (
+    pow2_ceil,
+    query_positions,
+    work_item_count,
+    work_items,
+)
 
 
 def choose_chunk(num_tokens: int, max_seqs: int, ctx: int, hq: int, hkv: int, d: int) -> int:
@@ -32,29 +25,13 @@ def choose_chunk(num_tokens: int, max_seqs: int, ctx: int, hq: int, hkv: int, d:
     context (items x ctx x hkv x d), both static functions of the shapes."""
     best, best_cost = 1, None
     c = 1
-    while c <= _pow2_ceil(num_tokens):
+    while c <= pow2_ceil(num_tokens):
         w = work_item_count(num_tokens, max_seqs, c)
         cost = w * ctx * (c * hq + hkv * d)
         if best_cost is None or cost < best_cost:
             best, best_cost = c, cost
         c *= 2
     return best
-
-
-def work_items(cu_q_lens, num_seqs, num_tokens: int, chunk: int):
-    """Per item: (sequence, first token, number of tokens). Unused items have 0 tokens."""
-    max_seqs = cu_q_lens.shape[0] - 1
-    w = work_item_count(num_tokens, max_seqs, chunk)
-    present = jnp.arange(max_seqs) < num_seqs
-    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    n_items = (q_lens + chunk - 1) // chunk
-    ends = jnp.cumsum(n_items)
-    ids = jnp.arange(w, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1).astype(jnp.int32)
-    first_item = ends[seq] - n_items[seq]
-    start = cu_q_lens[seq] + (ids - first_item) * chunk
-    ntok = jnp.where(ids < ends[-1], jnp.minimum(chunk, cu_q_lens[seq + 1] - start), 0)
-    return seq, start.astype(jnp.int32), ntok.astype(jnp.int32)
 
 
 def ragged_paged_attention(
@@ -93,8 +70,7 @@ def ragged_paged_attention(
     vw = v_cache[pages].reshape(w, ctx, hkv, d)
 
     kv_len = kv_lens[seq]
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    q_pos = (kv_len - q_len + (start - cu_q_lens[seq]))[:, None] + jnp.arange(chunk)[None, :]
+    q_pos = query_positions(seq, start, kv_lens, cu_q_lens)[:, None] + jnp.arange(chunk)[None, :]
     k_pos = jnp.arange(ctx)
     key_ok = k_pos[None, :] < kv_len[:, None]  # [W, L]
     mask = key_ok[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])
