@@ -1,0 +1,20 @@
+"""The ragged token batch one forward step consumes (built by runtime/runner/inputs.py)."""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class ModelBatch:
+    token_ids: jax.Array  # int32[T] flat ragged tokens: seq 0's scheduled tokens, then seq 1's, ...
+    positions: jax.Array  # int32[T] absolute position of each token in its sequence
+    slot_mapping: (
+        jax.Array
+    )  # int32[T] block * block_size + offset for this token's K/V; -1 = padding
+    block_tables: jax.Array  # int32[S, MB] per sequence, its block ids (0-padded)
+    kv_lens: jax.Array  # int32[S] context length incl. this step's tokens; 0 for padding rows
+    cu_q_lens: jax.Array  # int32[S + 1] query start offsets into the flat token axis
+    num_seqs: jax.Array  # int32[] sequences actually present
+    logits_indices: jax.Array  # int32[R] rows whose logits are wanted (padded with 0)

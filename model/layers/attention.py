@@ -1,0 +1,78 @@
+"""Grouped-query self-attention over a ragged token batch and a paged KV cache.
+
+q, k and v come from one fused projection; this step's keys and values are written into the cache
+through the slot mapping first, so every query attends over its sequence's whole context (cached
+pages plus this step's tokens) through the block tables.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from model.batch import ModelBatch
+from model.layers.linear import Linear
+from model.layers.norms import RMSNorm
+from model.layers.rotary import apply_rotary
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+
+class Attention(nnx.Module):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm_eps: float | None,
+        sliding_window: int | None,
+        dtype,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = Linear(
+            hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias, dtype=dtype
+        )
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias, dtype=dtype)
+        # Qwen3 normalises q and k per head, before the rotary embedding.
+        if qk_norm_eps is None:
+            self.q_norm = self.k_norm = None
+        else:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype)
+        self.sliding_window = sliding_window
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        kv_cache: tuple[jax.Array, jax.Array],
+        batch: ModelBatch,
+        attention_impl: str,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : hq * d].reshape(t, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
+        out = ragged_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.kv_lens,
+            batch.block_tables,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            sm_scale=d**-0.5,
+            sliding_window=self.sliding_window,
+            impl=attention_impl,
+        )
+        return self.o_proj(out.reshape(t, hq * d)), (k_cache, v_cache)

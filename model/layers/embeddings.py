@@ -1,0 +1,20 @@
+"""Token embedding table in HF's [vocab, hidden] layout, also usable as a tied LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype):
+        self.weight = nnx.Param(jnp.zeros((vocab_size, dim), dtype))
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], token_ids, axis=0)
+
+
+def lm_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+    """hidden [R, H] x weight [V, H] -> f32 logits [R, V], accumulated in f32."""
+    return jnp.einsum("rh,vh->rv", hidden, weight, preferred_element_type=jnp.float32)

@@ -1,0 +1,241 @@
+"""The Llama family: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k norm).
+
+The modules hold parameters only; `forward` and `compute_logits` are pure functions of
+(graphdef, state, ...) so the runner can jit them with the KV cache donated and no weights closed over.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.batch import ModelBatch
+from model.config import ModelConfig
+from model.layers.attention import Attention
+from model.layers.embeddings import Embedding, lm_logits
+from model.layers.mlp import GatedMLP
+from model.layers.norms import RMSNorm
+from model.layers.rotary import rotary_cos_sin
+from model.weight_spec import WeightSpec
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ):
+        dt = cfg.jnp_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if qk_norm else None,
+            sliding_window=cfg.sliding_windows[layer_idx],
+            dtype=dt,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dt)
+
+    def __call__(self, x, cos, sin, kv_cache, batch, attention_impl):
+        h, kv_cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, kv_cache, batch, attention_impl
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, **attn_style):
+        dt = cfg.jnp_dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, **attn_style) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.rope = cfg.rope
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.model = LlamaModel(
+            config,
+            qkv_bias=self.qkv_bias(config),
+            o_bias=self.o_bias(config),
+            qk_norm=self.qk_norm(config),
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Embedding(config.vocab_size, config.hidden_size, config.jnp_dtype)
+        )
+
+    # Per-family attention layout, from the configuration.
+    @staticmethod
+    def qkv_bias(cfg: ModelConfig) -> bool:
+        return cfg.attention_bias
+
+    @staticmethod
+    def o_bias(cfg: ModelConfig) -> bool:
+        return cfg.attention_bias
+
+    @staticmethod
+    def qk_norm(cfg: ModelConfig) -> bool:
+        return False
+
+    def __call__(self, kv_caches: KVCache, batch: ModelBatch, attention_impl: str):
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"got {len(kv_caches)} KV cache layers for {len(self.model.layers)} attention layers"
+            )
+        x = self.model.embed_tokens(batch.token_ids)
+        cos, sin = rotary_cos_sin(batch.positions, self.model.rope, x.dtype)
+        new_caches = []
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x, kv = layer(x, cos, sin, kv, batch, attention_impl)
+            new_caches.append(kv)
+        return tuple(new_caches), self.model.norm(x)
+
+    def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_logits(hidden_rows, head.weight[...])
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        dt = c.jnp_dtype if dtype is None else jnp.dtype(dtype)
+        return tuple(
+            (jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_hidden_layers)
+        )
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype=None) -> int:
+        c = self.config
+        dt = c.jnp_dtype if dtype is None else jnp.dtype(dtype)
+        per_layer = 2 * block_size * c.num_key_value_heads * c.head_dim * dt.itemsize
+        return per_layer * c.num_hidden_layers
+
+    @classmethod
+    def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
+        h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+        nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
+        specs = [
+            WeightSpec(
+                ("model", "embed_tokens", "weight"),
+                (("model.embed_tokens.weight", (c.vocab_size, h)),),
+            )
+        ]
+        for i in range(c.num_hidden_layers):
+            hf, ours = f"model.layers.{i}.", ("model", "layers", i)
+            attn = hf + "self_attn."
+            qkv = (("q", nq), ("k", nkv), ("v", nkv))
+            specs.append(
+                WeightSpec(
+                    (*ours, "self_attn", "qkv_proj", "kernel"),
+                    tuple((f"{attn}{n}_proj.weight", (o, h)) for n, o in qkv),
+                    True,
+                )
+            )
+            if cls.qkv_bias(c):
+                specs.append(
+                    WeightSpec(
+                        (*ours, "self_attn", "qkv_proj", "bias"),
+                        tuple((f"{attn}{n}_proj.bias", (o,)) for n, o in qkv),
+                    )
+                )
+            specs.append(
+                WeightSpec(
+                    (*ours, "self_attn", "o_proj", "kernel"),
+                    ((attn + "o_proj.weight", (h, nq)),),
+                    True,
+                )
+            )
+            if cls.o_bias(c):
+                specs.append(
+                    WeightSpec(
+                        (*ours, "self_attn", "o_proj", "bias"), ((attn + "o_proj.bias", (h,)),)
+                    )
+                )
+            if cls.qk_norm(c):
+                for n in ("q_norm", "k_norm"):
+                    specs.append(
+                        WeightSpec(
+                            (*ours, "self_attn", n, "weight"), ((f"{attn}{n}.weight", (d,)),)
+                        )
+                    )
+            mlp = hf + "mlp."
+            specs.append(
+                WeightSpec(
+                    (*ours, "mlp", "gate_up_proj", "kernel"),
+                    ((mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))),
+                    True,
+                )
+            )
+            specs.append(
+                WeightSpec(
+                    (*ours, "mlp", "down_proj", "kernel"),
+                    ((mlp + "down_proj.weight", (h, inter)),),
+                    True,
+                )
+            )
+            if c.mlp_bias:
+                specs.append(
+                    WeightSpec(
+                        (*ours, "mlp", "gate_up_proj", "bias"),
+                        ((mlp + "gate_proj.bias", (inter,)), (mlp + "up_proj.bias", (inter,))),
+                    )
+                )
+                specs.append(
+                    WeightSpec(
+                        (*ours, "mlp", "down_proj", "bias"), ((mlp + "down_proj.bias", (h,)),)
+                    )
+                )
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                specs.append(WeightSpec((*ours, n, "weight"), ((f"{hf}{n}.weight", (h,)),)))
+        specs.append(WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (h,)),)))
+        if not c.tie_word_embeddings:
+            specs.append(
+                WeightSpec(("lm_head", "weight"), (("lm_head.weight", (c.vocab_size, h)),))
+            )
+        return tuple(specs)
+
+    @staticmethod
+    def hf_ignored_weight(name: str, c: ModelConfig) -> bool:
+        """On-disk tensors that are legitimately unused: rotary buffers some exporters save, and a
+        duplicate LM head next to tied embeddings."""
+        return name.endswith("rotary_emb.inv_freq") or (
+            c.tie_word_embeddings and name == "lm_head.weight"
+        )
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def qkv_bias(cfg: ModelConfig) -> bool:
+        return True
+
+    @staticmethod
+    def o_bias(cfg: ModelConfig) -> bool:
+        return False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def qk_norm(cfg: ModelConfig) -> bool:
+        return True
+
+
+def forward(
+    graphdef, state, kv_caches: KVCache, batch: ModelBatch, *, attention_impl: str = "auto"
+):
+    """(kv_caches, hidden [T, hidden_size]) after the final norm; pure, for jit with donated caches."""
+    return nnx.merge(graphdef, state)(kv_caches, batch, attention_impl)
+
+
+def compute_logits(graphdef, state, hidden_rows: jax.Array) -> jax.Array:
+    """f32 logits [R, vocab] for the selected hidden rows."""
+    return nnx.merge(graphdef, state).compute_logits(hidden_rows)

@@ -1,0 +1,156 @@
+"""safetensors checkpoint -> (graphdef, state) of the model class the config names.
+
+Tensors are matched by their on-disk HF names (single `model.safetensors` or shards listed in
+`model.safetensors.index.json`). Every missing, unexpected or mis-shaped tensor is reported by name in
+one error before anything is loaded. Reads with `safe_open(framework="np")`; numpy has no bfloat16,
+so BF16 tensors are read from their byte range in the file as ml_dtypes.bfloat16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from model import registry
+from model.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_NON_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16}
+
+
+class LoadError(ValueError):
+    """A checkpoint whose tensors do not match what the configuration says the model has."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype tag, e.g. "F32", "BF16"
+
+
+def checkpoint_files(path: str) -> tuple[str, ...]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LoadError(f"{index} has no 'weight_map'")
+        files = sorted({os.path.join(path, v) for v in weight_map.values()})
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise LoadError(f"{index} names shard files that do not exist: {missing}")
+        return tuple(files)
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        return (single,)
+    raise LoadError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {path!r}")
+
+
+def list_tensors(path: str) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name in out:
+                    raise LoadError(f"tensor {name!r} is stored twice: {out[name].file} and {file}")
+                sl = f.get_slice(name)
+                out[name] = TensorInfo(file, tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def _read_header(file: str) -> tuple[int, dict]:
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+class _Reader:
+    """Reads tensors by name, keeping each file open once."""
+
+    def __init__(self, tensors: dict[str, TensorInfo], stack: contextlib.ExitStack):
+        self._tensors = tensors
+        self._stack = stack
+        self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        info = self._tensors[name]
+        if info.dtype in _NON_NUMPY_DTYPES:
+            if info.file not in self._headers:
+                self._headers[info.file] = _read_header(info.file)
+            base, header = self._headers[info.file]
+            begin, end = header[name]["data_offsets"]
+            raw = np.fromfile(info.file, dtype=np.uint8, count=end - begin, offset=base + begin)
+            return raw.view(_NON_NUMPY_DTYPES[info.dtype]).reshape(info.shape)
+        if info.file not in self._handles:
+            self._handles[info.file] = self._stack.enter_context(
+                safe_open(info.file, framework="np")
+            )
+        return self._handles[info.file].get_tensor(name)
+
+
+def check_tensors(model_cls: type, config: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    expected = {
+        name: shape for spec in model_cls.hf_weight_specs(config) for name, shape in spec.sources
+    }
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(
+        n for n in tensors if n not in expected and not model_cls.hf_ignored_weight(n, config)
+    )
+    misshaped = sorted(
+        f"{n}: expected {expected[n]}, found {tensors[n].shape}"
+        for n in expected
+        if n in tensors and tensors[n].shape != expected[n]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {'; '.join(misshaped)}")
+    if problems:
+        raise LoadError(
+            f"checkpoint {config.path!r} does not match {config.architecture}:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def load_model(path: str | os.PathLike, model_config: ModelConfig):
+    """(graphdef, state) of the config's architecture with the checkpoint's weights in config.dtype."""
+    path = os.fspath(path)
+    cls = registry.model_class(model_config.architecture)
+    tensors = list_tensors(path)
+    check_tensors(cls, model_config, tensors)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(model_config)))
+    flat = dict(nnx.to_flat_state(abstract))
+    specs = {spec.path: spec for spec in cls.hf_weight_specs(model_config)}
+    if set(specs) != set(flat):
+        raise RuntimeError(
+            f"{cls.__name__} weight specs and parameters disagree: "
+            f"{sorted(map(str, set(specs) ^ set(flat)))}"
+        )
+    dtype = np.dtype(model_config.jnp_dtype)
+    loaded = []
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(tensors, stack)
+        for p, var in flat.items():
+            parts = [reader.get(name).astype(dtype) for name, _ in specs[p].sources]
+            if specs[p].transpose:
+                parts = [a.T for a in parts]
+            arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+            if arr.shape != var.shape:
+                raise RuntimeError(f"assembled {p} has shape {arr.shape}, expected {var.shape}")
+            loaded.append((p, var.replace(jnp.asarray(arr))))
+    return graphdef, nnx.from_flat_state(loaded)

@@ -1,0 +1,172 @@
+"""Helpers for tests (of model/ and of other packages): tiny random HF checkpoints, the HF
+transformers oracle, and hand-built paged batches.
+
+torch and transformers are imported inside the functions so model/ never needs them at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from model.batch import ModelBatch
+
+# The tiny shape every architecture starts from (see shared/reference/environment.md §2);
+# initializer_range is raised from HF's 0.02 so greedy argmaxes are not near-ties.
+TINY_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
+)
+_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+
+
+def write_tiny_checkpoint(
+    directory: str | os.PathLike,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides,
+) -> str:
+    """Save a random-weight HF model of `arch` ("llama" | "qwen2" | "qwen3") as safetensors."""
+    import torch
+    import transformers
+
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {sorted(_ARCHS)}")
+    config_name, model_name, arch_defaults = _ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**TINY_COMMON, **arch_defaults, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(os.fspath(directory), safe_serialization=True)
+    return os.fspath(directory)
+
+
+def hf_load(path: str, dtype: str = "float32"):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def hf_logits(model, token_ids: Sequence[int]) -> np.ndarray:
+    """HF's f32 logits [len(token_ids), vocab] from one full forward over the tokens."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([list(token_ids)]))
+    return out.logits[0].float().numpy()
+
+
+def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """HF `generate(do_sample=False)`'s new tokens, never stopping early at EOS."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=None,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's scheduled tokens this step: `tokens` at positions start, start+1, ..."""
+
+    tokens: tuple[int, ...]
+    start: int
+    block_table: tuple[int, ...]
+
+
+def make_batch(
+    chunks: Sequence[SeqChunk],
+    block_size: int,
+    *,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    max_blocks: int | None = None,
+) -> ModelBatch:
+    """A padded ModelBatch (logits wanted for every sequence's last token), laid out like the
+    runner's: padding tokens have slot -1, padding sequences kv_len 0 and an all-zero table."""
+    t = sum(len(c.tokens) for c in chunks)
+    num_tokens = t if num_tokens is None else num_tokens
+    num_seqs = len(chunks) if num_seqs is None else num_seqs
+    max_blocks = max(len(c.block_table) for c in chunks) if max_blocks is None else max_blocks
+    if num_tokens < t or num_seqs < len(chunks):
+        raise ValueError(
+            f"batch of {t} tokens / {len(chunks)} seqs exceeds {num_tokens} / {num_seqs}"
+        )
+    ids = np.zeros(num_tokens, np.int32)
+    pos = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    logits_idx = np.zeros(num_seqs, np.int32)
+    off = 0
+    for s, c in enumerate(chunks):
+        n, end = len(c.tokens), c.start + len(c.tokens)
+        if -(-end // block_size) > len(c.block_table):
+            raise ValueError(
+                f"sequence {s} reaches position {end} beyond its {len(c.block_table)} blocks"
+            )
+        p = np.arange(c.start, end)
+        ids[off : off + n] = c.tokens
+        pos[off : off + n] = p
+        slots[off : off + n] = (
+            np.asarray(c.block_table)[p // block_size] * block_size + p % block_size
+        )
+        tables[s, : len(c.block_table)] = c.block_table
+        kv_lens[s] = end
+        off += n
+        cu[s + 1] = off
+        logits_idx[s] = off - 1
+    cu[len(chunks) + 1 :] = off
+    return ModelBatch(
+        token_ids=jnp.asarray(ids),
+        positions=jnp.asarray(pos),
+        slot_mapping=jnp.asarray(slots),
+        block_tables=jnp.asarray(tables),
+        kv_lens=jnp.asarray(kv_lens),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray(len(chunks), jnp.int32),
+        logits_indices=jnp.asarray(logits_idx),
+    )
+
+
+def scattered_block_tables(
+    lengths: Sequence[int], block_size: int, seed: int = 0
+) -> list[tuple[int, ...]]:
+    """Disjoint, non-contiguous block tables covering each length (block 0 left unused, as the
+    runner pads tables with 0)."""
+    need = [-(-n // block_size) for n in lengths]
+    ids = np.random.default_rng(seed).permutation(np.arange(1, sum(need) + 1))
+    out, i = [], 0
+    for k in need:
+        out.append(tuple(int(b) for b in ids[i : i + k]))
+        i += k
+    return out
