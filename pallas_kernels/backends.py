@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import jax
+from jax._src import xla_bridge
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 
 def default_platform() -> str:
-    return jax.default_backend()
+    # jax.default_backend() says "gpu" for both vendors; implementations are declared per vendor.
+    return xla_bridge.canonicalize_platform(jax.default_backend())
 
 
 def select(
