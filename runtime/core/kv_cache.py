@@ -122,18 +122,12 @@ def find_cached_prefix(state: KVCache, request: HashedRequest) -> CachedPrefix:
         raise KVCacheError(f"request num_tokens={num_tokens!r}: expected an int >= 0")
     if not state.enable_prefix_caching or num_tokens < 1:
         return NO_PREFIX
-    block_hashes = request.block_hashes
-    max_blocks = min((num_tokens - 1) // state.pool.block_size, len(block_hashes))
-    index = state.pool.index
-    hits = []
-    for position in range(max_blocks):
-        holders = index.get(block_hashes[position])
-        if holders is None:
-            break
-        hits.append(holders[0])
+    hits = bp.cached_run(
+        state.pool, request.block_hashes, (num_tokens - 1) // state.pool.block_size
+    )
     if not hits:
         return NO_PREFIX
-    return CachedPrefix(blocks=tuple(hits), num_tokens=len(hits) * state.pool.block_size)
+    return CachedPrefix(blocks=hits, num_tokens=len(hits) * state.pool.block_size)
 
 
 # ---------------------------------------------------------------- transitions
@@ -183,7 +177,7 @@ def allocate_slots(
     # Lookahead slots are capped at max_model_len rather than rejected, as vLLM does.
     slots = min(filled + lookahead, state.max_model_len)
     num_new_blocks = max(0, -(-slots // block_size) - len(table))
-    num_revived = sum(1 for block in cached_blocks if block not in pool.refs)
+    num_revived = sum(1 for block in cached_blocks if bp.is_free(pool, block))
     if num_new_blocks + num_revived > pool.num_free:
         return CannotAllocate(blocks_needed=num_new_blocks + num_revived, blocks_free=pool.num_free)
 
