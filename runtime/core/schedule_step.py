@@ -1,0 +1,364 @@
+"""schedule(state) -> (state, SchedulerOutput): one step's decisions, with vLLM V1 semantics.
+
+One rule for every request: give it tokens until its computed count catches up with the tokens it
+has (chunked prefill, decode and prefix hits alike). Running requests first, in admission order;
+when blocks run out, preempt by recompute. Waiting requests next, head of the queue first, and
+only if nothing was preempted this step.
+
+`num_computed_tokens` of the returned state is still the count before this step; `update` adds
+the scheduled tokens once the runner has computed them.
+"""
+
+from runtime.core import encoder_cache as ec
+from runtime.core import kv_cache as kvc
+from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
+from runtime.core.request import Request, RequestStatus, evolve
+from runtime.core.scheduler_state import (
+    SchedulerError,
+    SchedulerState,
+    priority_key,
+    release_request_inputs,
+    with_waiting,
+)
+
+__all__ = ["schedule"]
+
+
+class _Step:
+    """Scratch accumulator of one schedule() call. It never escapes the call: the call's input
+    state is never modified and its outputs are fresh immutable values."""
+
+    __slots__ = (
+        "admitted",
+        "base",
+        "changed",
+        "config",
+        "encoder",
+        "encoder_budget",
+        "kv",
+        "new_blocks",
+        "num_scheduled",
+        "preempted",
+        "running",
+        "token_budget",
+        "waiting",
+    )
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.config = state.config
+        self.kv = state.kv
+        self.encoder = state.encoder
+        self.base = state.requests
+        self.changed: dict[str, Request] = {}
+        self.running = list(state.running)
+        self.waiting = state.waiting
+        self.token_budget = state.config.max_num_batched_tokens
+        self.encoder_budget = state.config.encoder_compute_budget
+        # Running requests scheduled this step, in order: tokens and freshly appended blocks.
+        self.num_scheduled: dict[str, int] = {}
+        self.new_blocks: dict[str, tuple[int, ...]] = {}
+        # Requests admitted from the waiting queue: (id, resumed from preemption, tokens).
+        self.admitted: list[tuple[str, bool, int]] = []
+        self.preempted: list[str] = []
+
+    def get(self, request_id: str) -> Request:
+        request = self.changed.get(request_id)
+        return self.base[request_id] if request is None else request
+
+
+def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+    if state.awaiting_update is not None:
+        raise SchedulerError(
+            f"schedule: the output of step {state.awaiting_update} has not been applied; call "
+            "update() with it (and the runner's output) before scheduling the next step"
+        )
+    step = _Step(state)
+    _schedule_running(step)
+    if not step.preempted:
+        _schedule_waiting(step)
+    return _finish(state, step)
+
+
+def _num_new_tokens(step: _Step, request: Request, num_computed: int) -> int:
+    num_new = request.num_tokens - num_computed
+    threshold = step.config.long_prefill_token_threshold
+    if 0 < threshold < num_new:
+        num_new = threshold
+    return num_new
+
+
+def _schedule_running(step: _Step) -> None:
+    index = 0
+    while index < len(step.running) and step.token_budget > 0:
+        request = step.get(step.running[index])
+        computed = request.num_computed_tokens
+        num_new = min(_num_new_tokens(step, request, computed), step.token_budget)
+        planned = _plan_encoder_inputs(step, request, computed, num_new)
+        encoder, taken, num_new, encoder_budget = planned
+        if num_new == 0:
+            index += 1
+            continue
+        encoder_before = step.encoder
+        allocated, index = _allocate_or_preempt(step, index, request, num_new)
+        if allocated is None:
+            break
+        step.kv = allocated.state
+        step.num_scheduled[request.request_id] = num_new
+        step.new_blocks[request.request_id] = allocated.new_block_ids
+        step.token_budget -= num_new
+        _take_encoder_inputs(step, request, encoder, encoder_before, taken, encoder_budget)
+        index += 1
+
+
+def _allocate_or_preempt(
+    step: _Step, index: int, request: Request, num_new: int
+) -> tuple[kvc.Allocated | None, int]:
+    """Allocate slots for a running request, preempting others (or itself) until it fits.
+
+    Returns the allocation (None if the request itself was preempted) and the loop index,
+    moved back when an already scheduled request was preempted.
+    """
+    request_id = request.request_id
+    while True:
+        result = kvc.allocate_slots(
+            step.kv,
+            request_id,
+            num_new,
+            request.num_computed_tokens,
+            block_hashes=request.block_hashes,
+        )
+        if isinstance(result, kvc.Allocated):
+            return result, index
+        position = _victim_position(step)
+        victim = step.running.pop(position)
+        if victim in step.num_scheduled:
+            step.token_budget += step.num_scheduled.pop(victim)
+            del step.new_blocks[victim]
+        if position < index:
+            index -= 1
+        _preempt(step, victim)
+        if victim == request_id:
+            return None, index
+
+
+def _victim_position(step: _Step) -> int:
+    """FCFS: the last admitted (vLLM's running.pop()); priority: the largest
+    (priority, arrival), the first such in admission order on ties."""
+    if step.config.policy == "fcfs":
+        return len(step.running) - 1
+    keys = [priority_key(step.get(rid))[:2] for rid in step.running]
+    return keys.index(max(keys))
+
+
+def _preempt(step: _Step, request_id: str) -> None:
+    request = step.get(request_id)
+    step.kv = kvc.free(step.kv, request_id)
+    step.encoder = release_request_inputs(step.encoder, request)
+    step.changed[request_id] = evolve(
+        request,
+        status=RequestStatus.PREEMPTED,
+        num_computed_tokens=0,
+        num_preemptions=request.num_preemptions + 1,
+    )
+    step.waiting = with_waiting(step.waiting, step.base, request_id, step.config.policy, front=True)
+    step.preempted.append(request_id)
+
+
+def _schedule_waiting(step: _Step) -> None:
+    config = step.config
+    num_taken = 0
+    while (
+        num_taken < len(step.waiting)
+        and step.token_budget > 0
+        and len(step.running) < config.max_num_seqs
+    ):
+        request_id = step.waiting[num_taken]
+        request = step.get(request_id)
+        prefix = kvc.find_cached_prefix(step.kv, request)
+        computed = prefix.num_tokens
+        num_new = _num_new_tokens(step, request, computed)
+        if not config.enable_chunked_prefill and num_new > step.token_budget:
+            break
+        num_new = min(num_new, step.token_budget)
+        encoder, taken, num_new, encoder_budget = _plan_encoder_inputs(
+            step, request, computed, num_new
+        )
+        if num_new == 0:
+            break
+        result = kvc.allocate_slots(
+            step.kv, request_id, num_new, 0, prefix.blocks, block_hashes=request.block_hashes
+        )
+        if not isinstance(result, kvc.Allocated):
+            break
+        step.kv = result.state
+        num_taken += 1
+        step.running.append(request_id)
+        step.changed[request_id] = evolve(
+            request, status=RequestStatus.RUNNING, num_computed_tokens=computed
+        )
+        step.admitted.append((request_id, request.status is RequestStatus.PREEMPTED, num_new))
+        step.token_budget -= num_new
+        _take_encoder_inputs(step, request, encoder, step.encoder, taken, encoder_budget)
+    step.waiting = step.waiting[num_taken:]
+
+
+# ---------------------------------------------------------------- encoder inputs
+
+
+def _plan_encoder_inputs(
+    step: _Step, request: Request, computed: int, num_new: int
+) -> tuple[ec.EncoderCache, tuple[int, ...], int, int]:
+    """Which encoder inputs this step's token range [computed, computed + num_new) needs.
+
+    Returns the encoder cache with them referenced, their indices, the (possibly cut) number of
+    tokens and the encoder budget left. A needed input that cannot be computed this step cuts
+    the range to the tokens before it; if the range already starts inside it (a prefix hit),
+    nothing can be scheduled.
+    """
+    encoder, budget = step.encoder, step.encoder_budget
+    if not request.mm_inputs:
+        return encoder, (), num_new, budget
+    taken = []
+    for position, item in enumerate(request.mm_inputs):
+        if item.offset >= computed + num_new:
+            break
+        if item.end <= computed:
+            continue
+        owner = (request.request_id, position)
+        entry = encoder.entries.get(item.content_hash)
+        if entry is not None:
+            if owner not in entry.refs:
+                encoder = ec.add_ref(encoder, item.content_hash, owner)
+                taken.append(position)
+            continue
+        if item.num_embeds > budget or not ec.can_allocate(encoder, item.num_embeds):
+            num_new = item.offset - computed if computed < item.offset else 0
+            break
+        encoder = ec.allocate(encoder, item.content_hash, owner, item.num_embeds)
+        budget -= item.num_embeds
+        taken.append(position)
+    return encoder, tuple(taken), num_new, budget
+
+
+def _take_encoder_inputs(
+    step: _Step,
+    request: Request,
+    planned: ec.EncoderCache,
+    planned_from: ec.EncoderCache,
+    taken: tuple[int, ...],
+    budget_left: int,
+) -> None:
+    """Commit a plan. If preemptions released encoder refs since it was made, replay it on the
+    current cache instead (they only freed space, so it still fits)."""
+    step.encoder_budget = budget_left
+    if step.encoder is planned_from:
+        step.encoder = planned
+        return
+    encoder = step.encoder
+    for position in taken:
+        item = request.mm_inputs[position]
+        owner = (request.request_id, position)
+        if ec.is_cached(encoder, item.content_hash):
+            encoder = ec.add_ref(encoder, item.content_hash, owner)
+        else:
+            encoder = ec.allocate(encoder, item.content_hash, owner, item.num_embeds)
+    step.encoder = encoder
+
+
+# ---------------------------------------------------------------- output
+
+
+def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, SchedulerOutput]:
+    encoder, to_compute, to_free = ec.end_step(step.encoder)
+    kv = step.kv
+    cached, new = [], []
+    num_scheduled = dict(step.num_scheduled)
+    for request_id in step.num_scheduled:
+        request = step.get(request_id)
+        cached.append(
+            CachedRequestData(
+                req_id=request_id,
+                resumed_from_preemption=False,
+                new_block_ids=step.new_blocks[request_id],
+                num_computed_tokens=request.num_computed_tokens,
+                all_token_ids=None,
+                num_output_tokens=len(request.output_token_ids),
+            )
+        )
+    for request_id, resumed, num_tokens in step.admitted:
+        request = step.get(request_id)
+        table = kv.tables[request_id]
+        if resumed:
+            cached.append(
+                CachedRequestData(
+                    req_id=request_id,
+                    resumed_from_preemption=True,
+                    new_block_ids=table,
+                    num_computed_tokens=request.num_computed_tokens,
+                    all_token_ids=request.all_token_ids,
+                    num_output_tokens=len(request.output_token_ids),
+                )
+            )
+            num_scheduled[request_id] = num_tokens
+    for request_id, resumed, num_tokens in step.admitted:
+        if resumed:
+            continue
+        request = step.get(request_id)
+        new.append(
+            NewRequestData(
+                req_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                mm_inputs=request.mm_inputs,
+                sampling_params=request.sampling_params,
+                block_ids=kv.tables[request_id],
+                num_computed_tokens=request.num_computed_tokens,
+                lora_name=request.lora_name,
+            )
+        )
+        num_scheduled[request_id] = num_tokens
+    output = SchedulerOutput(
+        step=state.step,
+        scheduled_new_reqs=tuple(new),
+        scheduled_cached_reqs=tuple(cached),
+        num_scheduled_tokens=frozen_mapping(num_scheduled),
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_encoder_inputs=_assign_encoder_work(encoder, to_compute, num_scheduled),
+        free_encoder_hashes=to_free,
+        preempted_req_ids=tuple(step.preempted),
+        finished_req_ids=state.finished_since_last,
+    )
+    requests = state.requests
+    if step.changed:
+        with requests.mutate() as mutable:
+            for request_id, request in step.changed.items():
+                mutable[request_id] = request
+            requests = mutable.finish()
+    new_state = SchedulerState(
+        config=state.config,
+        kv=kv,
+        encoder=encoder,
+        requests=requests,
+        waiting=step.waiting,
+        running=tuple(step.running),
+        step=state.step + 1,
+        finished_since_last=(),
+        awaiting_update=state.step,
+    )
+    return new_state, output
+
+
+def _assign_encoder_work(
+    encoder: ec.EncoderCache, to_compute: tuple[str, ...], batch: dict[str, int]
+):
+    """Each entry allocated this step is computed once, by its first user in batch order (every
+    user of such an entry is scheduled this step: users that were preempted dropped their refs)."""
+    if not to_compute:
+        return frozen_mapping({})
+    position = {request_id: k for k, request_id in enumerate(batch)}
+    work: dict[str, list[int]] = {}
+    for content_hash in to_compute:
+        request_id, index = min(
+            encoder.entries[content_hash].refs, key=lambda o: (position[o[0]], o[1])
+        )
+        work.setdefault(request_id, []).append(index)
+    return frozen_mapping({rid: tuple(sorted(work[rid])) for rid in batch if rid in work})

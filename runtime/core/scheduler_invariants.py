@@ -1,0 +1,157 @@
+"""Whole-state invariants of the scheduler (ARCHITECTURE.md), for property tests and notebooks.
+
+O(state): never called by the engine loop.
+"""
+
+from runtime.core import encoder_cache as ec
+from runtime.core import kv_cache as kvc
+from runtime.core.outputs import SchedulerOutput
+from runtime.core.request import RequestStatus
+from runtime.core.scheduler_state import SchedulerState, priority_key
+
+__all__ = ["check_output", "check_state"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AssertionError(message)
+
+
+def check_state(state: SchedulerState) -> None:
+    """Raise AssertionError naming the first broken invariant of `state`."""
+    config = state.config
+    kvc.check_invariants(state.kv)
+    ec.check_invariants(state.encoder)
+    waiting, running = state.waiting, state.running
+    _require(len(set(waiting)) == len(waiting), f"waiting repeats ids: {waiting}")
+    _require(len(set(running)) == len(running), f"running repeats ids: {running}")
+    _require(not set(waiting) & set(running), f"ids both waiting and running: {waiting} {running}")
+    _require(
+        set(waiting) | set(running) == set(state.requests),
+        f"queued ids {sorted(set(waiting) | set(running))} != requests {sorted(state.requests)}",
+    )
+    _require(len(running) <= config.max_num_seqs, f"{len(running)} running > max_num_seqs")
+    _require(
+        set(state.kv.tables) == set(running),
+        f"block tables {sorted(state.kv.tables)} != running {sorted(running)}",
+    )
+    for request_id in waiting:
+        request = state.requests[request_id]
+        _require(
+            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and request.num_computed_tokens == 0,
+            f"waiting {request_id!r}: status {request.status.name}, "
+            f"{request.num_computed_tokens} computed",
+        )
+    if config.policy == "priority":
+        keys = [priority_key(state.requests[rid]) for rid in waiting]
+        _require(keys == sorted(keys), f"priority waiting queue out of order: {waiting}")
+    for request_id in running:
+        request = state.requests[request_id]
+        _require(
+            request.status is RequestStatus.RUNNING, f"running {request_id!r} is {request.status}"
+        )
+        table = kvc.blocks_of(state.kv, request_id)
+        _require(
+            request.num_computed_tokens <= min(request.num_tokens, len(table) * config.block_size),
+            f"running {request_id!r}: {request.num_computed_tokens} computed, "
+            f"{request.num_tokens} tokens, {len(table)} blocks",
+        )
+    for request in state.requests.values():
+        _require(request.finish_reason is None, f"finished {request.request_id!r} is still held")
+        if config.enable_prefix_caching:
+            _require(
+                len(request.block_hashes) == request.num_tokens // config.block_size,
+                f"{request.request_id!r}: {len(request.block_hashes)} block hashes for "
+                f"{request.num_tokens} tokens",
+            )
+    for content_hash, entry in state.encoder.entries.items():
+        for request_id, position in entry.refs:
+            request = state.requests.get(request_id)
+            _require(
+                request is not None
+                and request_id in running
+                and request.mm_inputs[position].content_hash == content_hash,
+                f"encoder entry {content_hash!r} referenced by {(request_id, position)}, which is "
+                "not a running request's input with that hash",
+            )
+
+
+def check_output(before: SchedulerState, after: SchedulerState, output: SchedulerOutput) -> None:
+    """Invariants of one schedule() output, given the states before and after it."""
+    config = before.config
+    scheduled = output.num_scheduled_tokens
+    _require(
+        output.total_num_scheduled_tokens
+        == sum(scheduled.values())
+        <= config.max_num_batched_tokens,
+        f"{output.total_num_scheduled_tokens} tokens scheduled, budget {config.max_num_batched_tokens}",
+    )
+    _require(len(scheduled) <= config.max_num_seqs, f"{len(scheduled)} requests > max_num_seqs")
+    order = tuple(c.req_id for c in output.scheduled_cached_reqs) + tuple(
+        n.req_id for n in output.scheduled_new_reqs
+    )
+    _require(
+        order == tuple(scheduled), f"batch order {order} != token map order {tuple(scheduled)}"
+    )
+    for request_id, num_tokens in scheduled.items():
+        request = after.requests[request_id]
+        _require(
+            num_tokens >= 1 and request.num_computed_tokens + num_tokens <= request.num_tokens,
+            f"{request_id!r}: {num_tokens} scheduled after {request.num_computed_tokens} computed "
+            f"of {request.num_tokens}",
+        )
+        _require(
+            request.num_computed_tokens <= request.num_tokens - 1,
+            f"{request_id!r}: prefix hit leaves nothing to compute",
+        )
+        if config.long_prefill_token_threshold:
+            _require(
+                num_tokens <= config.long_prefill_token_threshold,
+                f"{request_id!r}: {num_tokens} tokens over long_prefill_token_threshold",
+            )
+    for new in output.scheduled_new_reqs:
+        _require(
+            new.block_ids == kvc.blocks_of(after.kv, new.req_id),
+            f"new {new.req_id!r}: block ids {new.block_ids} are not its table",
+        )
+    embeds = 0
+    for request_id, positions in output.scheduled_encoder_inputs.items():
+        request = after.requests[request_id]
+        start = request.num_computed_tokens
+        end = start + scheduled[request_id]
+        for position in positions:
+            item = request.mm_inputs[position]
+            embeds += item.num_embeds
+            _require(
+                item.offset < end and item.end > start,
+                f"{request_id!r} encodes input {position} outside its tokens [{start}, {end})",
+            )
+            _require(
+                ec.is_cached(after.encoder, item.content_hash),
+                f"{request_id!r} encodes input {position}, which is not cached",
+            )
+    _require(
+        embeds <= config.encoder_compute_budget, f"{embeds} embeddings over the encoder budget"
+    )
+    for content_hash in output.free_encoder_hashes:
+        _require(
+            not ec.is_cached(after.encoder, content_hash),
+            f"free notice for {content_hash!r}, which is still cached",
+        )
+    for request_id in output.preempted_req_ids:
+        _require(
+            not kvc.has_request(after.kv, request_id) or request_id in scheduled,
+            f"preempted {request_id!r} still holds blocks",
+        )
+    if output.preempted_req_ids:
+        _require(
+            not output.scheduled_new_reqs
+            and not any(c.resumed_from_preemption for c in output.scheduled_cached_reqs),
+            "waiting requests admitted in a step that preempted",
+        )
+    for request_id in output.finished_req_ids:
+        _require(
+            request_id in after.requests or not kvc.has_request(after.kv, request_id),
+            f"finished {request_id!r} still holds blocks",
+        )

@@ -1,0 +1,44 @@
+"""Stop conditions applied by the scheduler after a token is appended (vLLM's check_stop).
+
+Stop strings are the detokenizer's business (the engine finishes those requests itself).
+"""
+
+from dataclasses import dataclass
+
+from runtime.core.request import FinishReason, Request, RequestStatus
+
+__all__ = ["Stop", "check_stop"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    status: RequestStatus
+    reason: FinishReason
+    # The stop token id that ended the request, else None.
+    stop_reason: int | None = None
+
+
+_LENGTH = Stop(RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH)
+_EOS = Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+
+
+def check_stop(request: Request, max_model_len: int) -> Stop | None:
+    """Whether `request`, whose last output token was just appended, is done.
+
+    EOS (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist and win
+    over the length limits on the same token, as in vLLM; max_model_len caps even before
+    min_tokens, since no further position exists.
+    """
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if last == request.eos_token_id and not params.ignore_eos:
+            return _EOS
+        if last in params.stop_token_ids:
+            return Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP, stop_reason=last)
+    if request.num_tokens >= max_model_len:
+        return _LENGTH
+    if params.max_tokens is not None and num_output >= params.max_tokens:
+        return _LENGTH
+    return None
