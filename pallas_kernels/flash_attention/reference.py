@@ -1,0 +1,37 @@
+"""Plain-jnp dense attention: the oracle for the flash kernel and the default path on CPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def flash_attention(q, k, v, *, causal: bool, sm_scale: float, segment_ids=None):
+    """q [B, S, H, D], k, v [B, S, Hkv, D] (H % Hkv == 0) -> [B, S, H, D] in q's dtype.
+
+    With `segment_ids` int32[B, S], a token attends only to tokens of its own segment; every token
+    sees at least itself, so no row is empty.
+    """
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qg = q.reshape(b, s, hkv, g, d).astype(jnp.float32)
+    sc = jnp.einsum(
+        "bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    sc = sc * sm_scale
+    mask = jnp.ones((1, s, s), bool)
+    if causal:
+        mask = mask & jnp.tril(jnp.ones((s, s), bool))[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    mask = mask[:, None, None]
+    sc = jnp.where(mask, sc, -jnp.inf)
+    m = jnp.max(sc, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    o = jnp.einsum(
+        "bkgqs,bskd->bqkgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+    return o.reshape(b, s, h, d).astype(q.dtype)
