@@ -64,7 +64,8 @@ def _attend(carry, q_parts, idx_ref, kv_ref, length, lo, hi, *, parts, n_values,
         idx = plt.load(
             idx_ref.at[pl.ds(j * heuristics.TILE, heuristics.TILE)], mask=pos < length, other=-1
         )
-        valid = (pos < length) & (idx >= 0) & (idx < num_slots)
+        # Entries at or past `length` load as -1, so this one test guards the tail too.
+        valid = (idx >= 0) & (idx < num_slots)
         rows = jnp.where(valid, idx, 0)[:, None]
         pieces = []
         for off, w in parts:
