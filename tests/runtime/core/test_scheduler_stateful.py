@@ -1,0 +1,173 @@
+"""Random add / schedule / update / abort interleavings against a small KV pool and encoder cache.
+
+After every transition the ARCHITECTURE.md invariants hold; every request that is not aborted
+finishes with exactly the tokens a model run alone would give it, whatever the interleaving
+(chunking, preemption, prefix hits) did to it.
+"""
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from runtime.core import scheduler as sch
+from runtime.core.request import FinishReason, MultiModalInput, Request, SamplingParams
+from runtime.core.scheduler_invariants import check_output, check_state
+from runtime.core.synthetic_runner import runner_output
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 40
+EOS = 5
+IDS = tuple(f"r{i}" for i in range(6))
+# Prompts share prefixes: each is a cut of one of two base sequences.
+BASES = (tuple(range(20, 60)), tuple(range(100, 140)))
+CONFIGS = [
+    {"policy": "fcfs"},
+    {"policy": "priority"},
+    {"policy": "fcfs", "long_prefill_token_threshold": 6},
+    {"policy": "priority", "enable_prefix_caching": False},
+    {"policy": "fcfs", "enable_chunked_prefill": False, "max_num_batched_tokens": 40},
+]
+
+
+def model_token(request: Request) -> int:
+    """The synthetic model: the next token depends only on the request's own tokens."""
+    return (request.num_tokens * 7 + len(request.prompt_token_ids)) % 11 + 3
+
+
+def alone(request: Request) -> tuple[tuple[int, ...], FinishReason]:
+    """What the request generates when run alone (the oracle, written independently)."""
+    params, out = request.sampling_params, []
+    while True:
+        probe = Request("probe", request.prompt_token_ids, output_token_ids=tuple(out))
+        token = model_token(probe)
+        out.append(token)
+        total = len(request.prompt_token_ids) + len(out)
+        if len(out) >= params.min_tokens and (
+            (token == request.eos_token_id and not params.ignore_eos)
+            or token in params.stop_token_ids
+        ):
+            return tuple(out), FinishReason.STOP
+        if total >= MAX_MODEL_LEN or (params.max_tokens and len(out) >= params.max_tokens):
+            return tuple(out), FinishReason.LENGTH
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(overrides=st.sampled_from(CONFIGS))
+    def start(self, overrides):
+        config = {
+            "max_num_seqs": 3,
+            "max_num_batched_tokens": 16,
+            "max_model_len": MAX_MODEL_LEN,
+            "block_size": BLOCK_SIZE,
+            "num_blocks": 14,
+            "encoder_cache_size": 12,
+            "encoder_compute_budget": 8,
+            **overrides,
+        }
+        self.state = sch.make_scheduler(sch.SchedulerConfig(**config))
+        self.pending = None
+        self.arrivals = 0
+        self.live: dict[str, Request] = {}  # lifecycles not yet finished
+        self.tokens: dict[str, tuple[int, ...]] = {}
+        self.aborted: set[str] = set()
+
+    @rule(
+        data=st.data(),
+        base=st.sampled_from(BASES),
+        length=st.integers(1, 30),
+        max_tokens=st.integers(1, 12),
+        min_tokens=st.integers(0, 3),
+        ignore_eos=st.booleans(),
+        stop_ids=st.sampled_from([(), (9,)]),
+        priority=st.integers(0, 2),
+        image=st.sampled_from([None, ("A", 4), ("B", 6), ("C", 8)]),
+    )
+    def add(
+        self, data, base, length, max_tokens, min_tokens, ignore_eos, stop_ids, priority, image
+    ):
+        free_ids = [rid for rid in IDS if not sch.has_request(self.state, rid)]
+        if not free_ids:
+            return
+        request_id = data.draw(st.sampled_from(free_ids))
+        mm = ()
+        if image is not None and length >= image[1] + 1:
+            offset = data.draw(st.integers(0, length - image[1]))
+            mm = (MultiModalInput(image[0], offset, image[1]),)
+        request = Request(
+            request_id,
+            base[:length],
+            SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=min(min_tokens, max_tokens),
+                ignore_eos=ignore_eos,
+                stop_token_ids=stop_ids,
+            ),
+            eos_token_id=EOS,
+            arrival_time=float(self.arrivals),
+            priority=priority,
+            mm_inputs=mm,
+        )
+        self.arrivals += 1
+        self.state = sch.add_request(self.state, request)
+        self.live[request_id] = request
+        self.tokens[request_id] = ()
+
+    @precondition(lambda self: self.pending is None)
+    @rule()
+    def schedule(self):
+        before = self.state
+        self.state, out = sch.schedule(before)
+        check_output(before, self.state, out)
+        self.pending = out
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def update(self):
+        out, self.pending = self.pending, None
+        self.state, outputs = sch.update(
+            self.state, out, runner_output(self.state, out, model_token)
+        )
+        self._collect(outputs)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if not self.live:
+            return
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        self.state = sch.abort_requests(self.state, [request_id])
+        del self.live[request_id]
+
+    def _collect(self, outputs):
+        for o in outputs:
+            self.tokens[o.req_id] += o.new_token_ids
+            if o.finished:
+                request = self.live.pop(o.req_id)
+                assert (self.tokens[o.req_id], o.finish_reason) == alone(request), o.req_id
+
+    @invariant()
+    def holds(self):
+        if hasattr(self, "state"):
+            check_state(self.state)
+
+    def teardown(self):
+        if not hasattr(self, "state"):
+            return
+        if self.pending is not None:
+            self.update()
+        for _ in range(400):
+            if not sch.has_unfinished_requests(self.state):
+                break
+            self.schedule()
+            self.update()
+            check_state(self.state)
+        assert not self.live, f"never finished: {sorted(self.live)}"
+        assert self.state.kv.pool.num_free == self.state.kv.pool.num_blocks - 1
+        assert all(not e.refs for e in self.state.encoder.entries.values())
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_stateful = SchedulerMachine.TestCase
