@@ -1,0 +1,121 @@
+"""Incremental detokenization and stop-string matching for one request (vLLM V1 semantics).
+
+Text is emitted only up to the last complete character: a window decode that ends in U+FFFD is
+held back until more tokens complete it (byte-level BPE splits characters across tokens). Each
+window starts where the previous emission ended, at a character boundary, so for byte-level
+tokenizers the emitted text is always a prefix of decode(output ids), and equal to it once the
+request finishes. A few prompt tokens seed the window so tokenizers that strip a leading space on
+the first decoded token (SentencePiece) still space the first output token correctly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.tokenizer import Tokenizer
+
+_PROMPT_CONTEXT = 5
+_INCOMPLETE = "\ufffd"
+
+
+def find_stop_string(
+    text: str, new_char_count: int, stop: Sequence[str], include_in_output: bool
+) -> tuple[str, int] | None:
+    """The first stop string that ends in the last `new_char_count` characters of `text`, and the
+    length to cut the text to (-1: no cut needed), or None."""
+    if not new_char_count or not stop:
+        return None
+    for s in stop:
+        # Only matches that end in the new text are new: earlier text was already searched.
+        index = text.find(s, max(0, len(text) - new_char_count - len(s) + 1))
+        if index == -1:
+            continue
+        if include_in_output:
+            index += len(s)
+            if index >= len(text):
+                return s, -1
+        return s, index
+    return None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text as they arrive."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, params: Any, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stop = tuple(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        if self._decode(context).endswith(_INCOMPLETE):
+            context = []  # a prompt ending mid-character would shift the first output's text
+        self._window = context  # ids decoded together; [prefix, read) is already emitted
+        self._prefix = 0
+        self._read = len(context)
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self._sent = 0  # characters of output_text returned by next_output_text(delta=True)
+        # While streaming, hold back text a stop string could still cut away.
+        longest = max(map(len, self._stop), default=0)
+        self._hold = 0 if self._include_stop else max(0, longest - 1)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _next_text(self, flush: bool) -> str:
+        prefix_text = self._decode(self._window[self._prefix : self._read])
+        text = self._decode(self._window[self._prefix :])
+        if len(text) <= len(prefix_text) or (text.endswith(_INCOMPLETE) and not flush):
+            return ""
+        # Keep only the just-emitted segment as decode context: the window stays short.
+        self._window = self._window[self._read :]
+        self._prefix, self._read = 0, len(self._window)
+        return text[len(prefix_text) :]
+
+    def update(
+        self, new_token_ids: Sequence[int], stop_terminated: bool = False, finished: bool = False
+    ) -> str | None:
+        """Add sampled tokens; returns the stop string they completed, if any (the request then
+        finishes with that stop reason and the text is cut). `stop_terminated`: the last token is
+        an EOS / stop token, whose text is left out unless include_stop_str_in_output.
+        `finished`: the request ends now, so trailing incomplete bytes are emitted as U+FFFD."""
+        new_token_ids = list(new_token_ids)
+        skipped = None
+        if stop_terminated and new_token_ids and not self._include_stop:
+            skipped = new_token_ids.pop()
+        check_from = len(self.output_text)
+        for token in new_token_ids:
+            self.token_ids.append(token)
+            self._window.append(token)
+            self.output_text += self._next_text(flush=False)
+            if len(self.token_ids) <= self._min_tokens:
+                check_from = len(self.output_text)
+        if finished or stop_terminated:
+            self.output_text += self._next_text(flush=True)
+        if skipped is not None:
+            self.token_ids.append(skipped)
+        if not self._stop or len(self.token_ids) <= self._min_tokens:
+            return None
+        found = find_stop_string(
+            self.output_text, len(self.output_text) - check_from, self._stop, self._include_stop
+        )
+        if found is None:
+            return None
+        stop, cut = found
+        if cut != -1:
+            self.output_text = self.output_text[:cut]
+        return stop
+
+    def next_output_text(self, finished: bool, delta: bool) -> str:
+        """Text to report now: everything (delta=False) or what is new since the last delta call;
+        while unfinished, the last characters a stop string could still remove are held back."""
+        end = len(self.output_text) if finished else max(0, len(self.output_text) - self._hold)
+        if not delta:
+            return self.output_text[:end]
+        end = max(end, self._sent)
+        text, self._sent = self.output_text[self._sent : end], end
+        return text
