@@ -1,0 +1,245 @@
+"""The engine loop: add requests, schedule, execute, update, detokenize, and report outputs.
+
+The scheduler state is a pure value; the engine holds the current one, hands each SchedulerOutput to
+the model runner, and feeds the runner's output back into `update`. Stop strings are found here, in
+the detokenizer, and turned into a pure `finish_requests` transition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field, replace
+
+from model.config import ModelConfig
+from runtime.config import ConfigError, EngineConfig
+from runtime.core import kv_cache
+from runtime.core import scheduler as sched
+from runtime.core.outputs import EngineCoreOutput, LogprobsEntry, SchedulerOutput
+from runtime.core.request import FinishReason, Request, SamplingParams
+from runtime.core.scheduler_config import SchedulerConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.runner.model_runner import ModelRunner
+from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class StepStats:
+    step: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_blocks_used: int
+
+
+@dataclass
+class TrackedRequest:
+    """Engine-side view of one request: its text so far, logprobs, and how it ended."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "" if self.detok is None else self.detok.output_text
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, record: bool = False) -> None:
+        self.config = config
+        mc = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        if mc.runner_type != "generate":
+            raise ConfigError(
+                f"{config.model}: {mc.architecture} is a {mc.runner_type} model; "
+                "generation needs a generative (causal LM) checkpoint"
+            )
+        max_model_len = config.max_model_len or mc.max_model_len
+        if max_model_len > mc.max_model_len:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the checkpoint's "
+                f"max_position_embeddings={mc.max_model_len}"
+            )
+        max_batched = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if config.enable_chunked_prefill
+            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        )
+        if not config.enable_chunked_prefill and max_batched < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens={max_batched} must be at least "
+                f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
+            )
+        self.model_config = mc
+        self.max_model_len = max_model_len
+        self.tokenizer = self._load_tokenizer(config.model)
+        self.runner = ModelRunner(
+            mc,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_bytes=config.kv_cache_bytes,
+            attention_backend=config.attention_backend,
+            seed=config.seed,
+        )
+        self.state = sched.make_scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
+                num_blocks=self.runner.num_kv_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                policy=config.scheduling_policy,
+            )
+        )
+        self.record = record
+        self.history: list[SchedulerOutput] = []
+        self.stats: list[StepStats] = []
+        self.tracked: dict[str, TrackedRequest] = {}
+        self._arrival = itertools.count()
+        self.num_generated_tokens = 0
+
+    @staticmethod
+    def _load_tokenizer(path: str) -> Tokenizer | None:
+        try:
+            return Tokenizer.from_pretrained(path)
+        except Exception as e:  # a checkpoint without tokenizer still serves token-id prompts
+            log.warning("no tokenizer loaded from %s (%s); prompts must be token ids", path, e)
+            return None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.model_config.eos_token_ids
+        if eos:
+            return eos[0]
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: prompt token id {bad[0]} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        eos_ids = tuple(self.model_config.eos_token_ids[1:])
+        if eos_ids and not params.ignore_eos:
+            # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop like stop tokens, as in vLLM.
+            extra = tuple(t for t in eos_ids if t not in params.stop_token_ids)
+            if extra:
+                params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=float(next(self._arrival)),
+            priority=priority,
+        )
+        self.state = sched.add_request(self.state, request)
+        detok = (
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)
+        )
+        self.tracked[request_id] = TrackedRequest(
+            request_id, prompt, list(prompt_token_ids), params, detok
+        )
+
+    def abort(self, request_ids) -> None:
+        request_ids = [r for r in request_ids if sched.has_request(self.state, r)]
+        self.state = sched.abort_requests(self.state, request_ids)
+        for rid in request_ids:
+            self.tracked[rid].finish_reason = FinishReason.ABORT
+
+    def has_unfinished_requests(self) -> bool:
+        return sched.has_unfinished_requests(self.state)
+
+    def step(self) -> list[TrackedRequest]:
+        """One schedule / execute / update round; returns the requests that finished in it."""
+        before = self.state
+        self.state, so = sched.schedule(self.state)
+        runner_out = self.runner.execute(so)
+        self.state, outputs = sched.update(self.state, so, runner_out)
+        if self.record:
+            self.history.append(so)
+        self._record_stats(before, so)
+        return self._process(outputs)
+
+    def _record_stats(self, before, so: SchedulerOutput) -> None:
+        prefill = decode = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            req = before.requests.get(rid)
+            if req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                decode += n
+            else:
+                prefill += n
+        self.stats.append(
+            StepStats(
+                so.step,
+                prefill,
+                decode,
+                len(self.state.running),
+                len(self.state.waiting),
+                len(so.preempted_req_ids),
+                self.runner.num_kv_blocks - 1 - kv_cache.num_free_blocks(self.state.kv),
+            )
+        )
+
+    def _process(self, outputs: tuple[EngineCoreOutput, ...]) -> list[TrackedRequest]:
+        done, stop_hits = [], []
+        for out in outputs:
+            tr = self.tracked[out.req_id]
+            tr.token_ids.extend(out.new_token_ids)
+            self.num_generated_tokens += len(out.new_token_ids)
+            if out.new_logprobs is not None:
+                tr.logprobs.append(out.new_logprobs)
+            if out.new_prompt_logprobs is not None:
+                tr.prompt_logprobs.append(out.new_prompt_logprobs)
+            stop_str = None
+            if tr.detok is not None:
+                stop_token = out.finish_reason is FinishReason.STOP and isinstance(
+                    out.stop_reason, int
+                )
+                stop_str = tr.detok.update(
+                    out.new_token_ids, stop_terminated=stop_token, finished=out.finished
+                )
+            if stop_str is not None:
+                tr.finish_reason, tr.stop_reason = FinishReason.STOP, stop_str
+                if not out.finished:
+                    stop_hits.append(out.req_id)
+                done.append(tr)
+            elif out.finished:
+                tr.finish_reason, tr.stop_reason = out.finish_reason, out.stop_reason
+                done.append(tr)
+        if stop_hits:
+            self.state = sched.finish_requests(self.state, stop_hits, FinishReason.STOP)
+        return done

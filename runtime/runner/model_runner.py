@@ -1,0 +1,254 @@
+"""The model runner: owns the weights and the KV cache arrays, and runs one jitted step per schedule.
+
+The step is a pure function `(graphdef, params, kv_caches, batch, sampling) -> (kv_caches, tokens)`;
+the weights are arguments (never closed over) and the KV cache is donated, so it is updated in place.
+Everything mutable here is shell state: the device arrays and a mirror of each live request's tokens
+and block table, kept in step with the scheduler's outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import immutables
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.batch import ModelBatch
+from model.config import ModelConfig
+from model.llama import compute_logits, forward
+from model.loader import load_model
+from pallas_kernels import backends
+from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
+from runtime.runner.sampler import compute_prompt_logprobs, sample
+from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+class KVCacheSizeError(ValueError):
+    """The KV cache cannot hold even one request of max_model_len tokens."""
+
+
+@partial(
+    jax.jit,
+    static_argnames=("attention_impl", "num_logprobs", "want_hidden"),
+    donate_argnums=(2,),
+)
+def _step(graphdef, params, kv_caches, batch, md, *, attention_impl, num_logprobs, want_hidden):
+    kv_caches, hidden = forward(graphdef, params, kv_caches, batch, attention_impl=attention_impl)
+    logits = compute_logits(graphdef, params, hidden[batch.logits_indices])
+    out = sample(logits, md, num_logprobs)
+    return kv_caches, out, (hidden if want_hidden else None)
+
+
+@partial(jax.jit, static_argnames=("num_logprobs",))
+def _prompt_logprobs(graphdef, params, hidden_rows, next_ids, *, num_logprobs):
+    return compute_prompt_logprobs(
+        compute_logits(graphdef, params, hidden_rows), next_ids, num_logprobs
+    )
+
+
+def _num_kv_blocks(
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    num_kv_blocks: int | None,
+    kv_cache_bytes: int | None,
+) -> int:
+    if num_kv_blocks is None:
+        full = max_num_seqs * -(-max_model_len // block_size) + 1
+        budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+        by_budget = budget // bytes_per_block
+        num_kv_blocks = by_budget if kv_cache_bytes is not None else min(full, by_budget)
+    need = -(-max_model_len // block_size) + 1  # one request's blocks plus the null block
+    if num_kv_blocks < need:
+        raise KVCacheSizeError(
+            f"max_model_len={max_model_len} needs {need - 1} KV blocks of {block_size} tokens "
+            f"({(need - 1) * bytes_per_block} bytes) for one request, but the KV cache has "
+            f"{max(num_kv_blocks - 1, 0)} usable blocks ({num_kv_blocks * bytes_per_block} bytes at "
+            f"{bytes_per_block} bytes per block); lower max_model_len or raise num_kv_blocks / "
+            "kv_cache_bytes"
+        )
+    return num_kv_blocks
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        attention_backend: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.block_size = block_size
+        self.seed = seed
+        features = {"sliding_window"} if any(model_config.sliding_windows) else set()
+        self.attention = backends.select(
+            "ragged_paged_attention",
+            impl=attention_backend,
+            dtype=model_config.jnp_dtype,
+            head_dim=model_config.head_dim,
+            features=features,
+        )
+        log.info("attention backend: %s", self.attention.describe())
+        self.graphdef, self.params = load_model(model_config.path, model_config)
+        model = nnx.merge(self.graphdef, self.params)
+        bytes_per_block = model.kv_cache_bytes_per_block(block_size)
+        self.num_kv_blocks = _num_kv_blocks(
+            bytes_per_block, block_size, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes
+        )
+        self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block
+        self.kv_caches = model.make_kv_cache(self.num_kv_blocks, block_size)
+        self.builder = BatchBuilder(
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.rows: dict[str, RequestRow] = {}
+
+    # -- keeping the request mirror in step with the scheduler -----------------------------------
+
+    def _apply(self, so: SchedulerOutput) -> list[str]:
+        for rid in so.finished_req_ids:
+            self.rows.pop(rid, None)
+        order = []
+        for cd in so.scheduled_cached_reqs:
+            row = self.rows[cd.req_id]
+            if cd.resumed_from_preemption:
+                row.block_ids = list(cd.new_block_ids)
+                if cd.all_token_ids is not None:
+                    row.token_ids = list(cd.all_token_ids)
+            else:
+                row.block_ids.extend(cd.new_block_ids)
+            row.num_computed_tokens = cd.num_computed_tokens
+            order.append(cd.req_id)
+        for nd in so.scheduled_new_reqs:
+            self.rows[nd.req_id] = RequestRow(
+                nd.req_id,
+                list(nd.prompt_token_ids),
+                list(nd.block_ids),
+                prompt_len=len(nd.prompt_token_ids),
+                sampling_params=nd.sampling_params,
+                num_computed_tokens=nd.num_computed_tokens,
+            )
+            order.append(nd.req_id)
+        return order
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        order = self._apply(so)
+        if not order:
+            return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
+        want_prompt = frozenset(
+            r for r in order if self.rows[r].sampling_params.prompt_logprobs is not None
+        )
+        hb = self.builder.build(
+            self.rows, so.num_scheduled_tokens, order, want_prompt_logprobs=want_prompt
+        )
+        sampling = [self.rows[r] for r in hb.sampling_req_ids]
+        k = logprobs_bucket(
+            max(
+                (
+                    r.sampling_params.logprobs
+                    for r in sampling
+                    if r.sampling_params.logprobs is not None
+                ),
+                default=None,
+            )
+        )
+        md = make_sampling_metadata(
+            [self._sampling_row(r) for r in sampling],
+            num_rows=hb.arrays["logits_indices"].shape[0],
+            vocab_size=self.model_config.vocab_size,
+            global_seed=self.seed,
+            step=so.step,
+        )
+        batch = ModelBatch(**{name: jnp.asarray(a) for name, a in hb.arrays.items()})
+        self.kv_caches, out, hidden = _step(
+            self.graphdef,
+            self.params,
+            self.kv_caches,
+            batch,
+            md,
+            attention_impl=self.attention.impl,
+            num_logprobs=k,
+            want_hidden=bool(hb.prompt_logprob_rows),
+        )
+        tokens = np.asarray(out.token_ids)
+        sampled = {rid: int(tokens[i]) for i, rid in enumerate(hb.sampling_req_ids)}
+        logprobs = self._logprobs(hb, out, sampling) if k is not None else None
+        prompt_lp = self._prompt_logprobs(hb, hidden) if hidden is not None else None
+        for rid, tok in sampled.items():
+            self.rows[rid].token_ids.append(tok)
+        return ModelRunnerOutput(
+            req_ids=tuple(order),
+            sampled_token_ids=tuple((sampled[r],) if r in sampled else () for r in order),
+            logprobs=None if logprobs is None else tuple(logprobs.get(r) for r in order),
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _sampling_row(self, row: RequestRow) -> SamplingRow:
+        eos = self.model_config.eos_token_ids
+        return SamplingRow(
+            request_id=row.req_id,
+            params=row.sampling_params,
+            prompt_token_ids=row.token_ids[: row.prompt_len],
+            output_token_ids=row.output_token_ids,
+            eos_token_id=eos[0] if eos else None,
+        )
+
+    @staticmethod
+    def _logprobs(hb: HostBatch, out, sampling: list[RequestRow]) -> dict[str, LogprobsEntry]:
+        ids, vals, ranks = map(np.asarray, (out.logprob_token_ids, out.logprobs, out.ranks))
+        entries = {}
+        for i, row in enumerate(sampling):
+            n = row.sampling_params.logprobs
+            if n is None:
+                continue
+            entries[row.req_id] = LogprobsEntry(
+                token_ids=(tuple(int(t) for t in ids[i, : n + 1]),),
+                logprobs=(tuple(float(v) for v in vals[i, : n + 1]),),
+                sampled_token_ranks=(int(ranks[i]),),
+            )
+        return entries
+
+    def _prompt_logprobs(self, hb: HostBatch, hidden) -> immutables.Map:
+        result = {}
+        for rid, (start, n) in hb.prompt_logprob_rows.items():
+            row = self.rows[rid]
+            first = row.num_computed_tokens  # prompt position of the chunk's first token
+            # The logprob at position p is for token p + 1; the last prompt position predicts the
+            # first output token, which is not a prompt logprob.
+            n = min(n, row.prompt_len - 1 - first)
+            if n <= 0:
+                continue
+            k = logprobs_bucket(row.sampling_params.prompt_logprobs)
+            next_ids = jnp.asarray(row.token_ids[first + 1 : first + 1 + n], jnp.int32)
+            ids, vals, ranks = map(
+                np.asarray,
+                _prompt_logprobs(
+                    self.graphdef, self.params, hidden[start : start + n], next_ids, num_logprobs=k
+                ),
+            )
+            width = row.sampling_params.prompt_logprobs + 1
+            result[rid] = LogprobsEntry(
+                token_ids=tuple(tuple(int(t) for t in r[:width]) for r in ids),
+                logprobs=tuple(tuple(float(v) for v in r[:width]) for r in vals),
+                sampled_token_ranks=tuple(int(r) for r in ranks),
+            )
+        return immutables.Map(result)
