@@ -13,9 +13,15 @@ import numpy as np
 from model.config import RopeConfig
 
 
+def _pos_freqs(theta: float, dim: int) -> np.ndarray:
+    """theta ** (2i / dim) rounded once to f32: torch's f32 pow is (nearly always) correctly
+    rounded and numpy's is not, and at long contexts a 1-ulp frequency error is a visible angle."""
+    exps = (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)).astype(np.float64)
+    return (np.float64(theta) ** exps).astype(np.float32)
+
+
 def _default_inv_freq(theta: float, dim: int) -> np.ndarray:
-    exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+    return np.float32(1.0) / _pos_freqs(theta, dim)
 
 
 def _llama3(rope: RopeConfig, inv: np.ndarray) -> np.ndarray:
@@ -55,7 +61,7 @@ def _yarn(rope: RopeConfig) -> tuple[np.ndarray, float]:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
     extrapolation = (1 - ramp).astype(np.float32)
-    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    pos_freqs = _pos_freqs(base, dim)
     inv_extra = np.float32(1.0) / pos_freqs
     inv_inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
     inv = inv_inter * (1 - extrapolation) + inv_extra * extrapolation
