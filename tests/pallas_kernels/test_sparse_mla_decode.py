@@ -140,7 +140,18 @@ DEEPSEEK = [
         extra_topk=17,
         sink=True,
         lengths=True,
-        splits=(1, 3),
+        splits=(1, 2, 3, 4),
+    ),
+    Case(
+        H=64,
+        D=576,
+        dv=512,
+        topk=1,
+        dtype=jnp.float32,
+        extra_topk=64,
+        sink=True,
+        lengths=True,
+        splits=(1, 2, 3, 4),
     ),
     Case(
         H=128,
@@ -152,6 +163,7 @@ DEEPSEEK = [
         sink=True,
         T=4,
         slots=2500,
+        splits=("auto", 5),
     ),
 ]
 
