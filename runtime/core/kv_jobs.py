@@ -93,6 +93,8 @@ class KVJobs:
     stored: Map
     storing: Map  # hash -> id of the store job writing it, so it is not planned twice
     loading: Map  # request id -> its load job id, while the request waits for it
+    # request id -> how many leading blocks of its table were already offered to plan_store.
+    store_cursor: Map
     stats: OffloadStats
 
 
@@ -104,6 +106,7 @@ def make_kv_jobs() -> KVJobs:
         stored=empty,
         storing=empty,
         loading=empty,
+        store_cursor=empty,
         stats=OffloadStats(),
     )
 
@@ -276,11 +279,16 @@ def end_job(jobs: KVJobs, kv: KVCache, result: KVJobResult) -> tuple[KVJobs, KVC
 
 
 def detach_request(jobs: KVJobs, req_id: str) -> KVJobs:
-    """The request finished or was preempted: its load (if any) keeps its pins but no longer
-    feeds the request; a later request with the same id starts afresh."""
-    if req_id not in jobs.loading:
+    """The request finished or was preempted: its jobs keep their pins, but a load no longer
+    feeds it and its store cursor is dropped, so a later request with the same id starts afresh."""
+    if req_id not in jobs.loading and req_id not in jobs.store_cursor:
         return jobs
-    return replace(jobs, loading=jobs.loading.delete(req_id))
+    loading, cursor = jobs.loading, jobs.store_cursor
+    return replace(
+        jobs,
+        loading=loading.delete(req_id) if req_id in loading else loading,
+        store_cursor=cursor.delete(req_id) if req_id in cursor else cursor,
+    )
 
 
 def note_stored(jobs: KVJobs, block_hashes: Iterable[BlockHash]) -> KVJobs:
