@@ -55,8 +55,8 @@ def check_args(
     extra_topk_lengths,
 ) -> None:
     """Raise ValueError naming the bad argument; shared by every implementation."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, D_qk], got shape {q.shape}")
+    if q.ndim != 3 or min(q.shape) < 1:
+        raise ValueError(f"q must be [T>=1, H>=1, D_qk>=1], got shape {q.shape}")
     T, H, D = q.shape
     if jnp.dtype(q.dtype).name not in DTYPES:
         raise ValueError(f"q dtype must be one of {sorted(DTYPES)}, got {q.dtype}")

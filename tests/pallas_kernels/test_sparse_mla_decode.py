@@ -244,6 +244,7 @@ def test_bad_arguments_name_the_value():
     (q, kv, idx), kw = make_inputs(case, seed=3)
     bad = [
         (dict(q=q[0]), "q must be"),
+        (dict(q=q[:0]), "q must be"),
         (dict(kv=kv[:, :64]), "main cache must be"),
         (dict(kv=kv.astype(jnp.bfloat16)), "kv_cache dtype"),
         (dict(idx=idx.astype(jnp.float32)), "main indices must be int32"),
