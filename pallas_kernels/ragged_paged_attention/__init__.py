@@ -95,6 +95,12 @@ def ragged_paged_attention(
         raise ValueError(f"{OP}: sliding_window must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"{OP}: soft_cap must be > 0 or None, got {soft_cap}")
+    if num_kv_splits != "auto" and (
+        not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool) or num_kv_splits < 1
+    ):
+        raise ValueError(
+            f"{OP}: num_kv_splits must be 'auto' or an int >= 1, got {num_kv_splits!r}"
+        )
     choice = select(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if choice.impl == "pallas":

@@ -19,7 +19,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.platform import num_cores, triton_params
 from pallas_kernels.ragged_paged_attention.heuristics import Tiling, tiling
-from pallas_kernels.ragged_paged_attention.work_items import query_positions, work_items
+from pallas_kernels.ragged_paged_attention.work_items import (
+    pow2_ceil,
+    query_positions,
+    work_items,
+)
 
 
 def _kernel(
@@ -180,10 +184,12 @@ def ragged_paged_attention(
     pos0 = query_positions(seq, start, kv_lens, cu_q_lens)
     # Four columns: a power-of-two block (kernels.md C.2).
     meta = jnp.stack([ntok, pos0, kv_lens[seq], jnp.zeros_like(ntok)], axis=1).astype(jnp.int32)
-    # Pad the table so a tile that starts inside it can load `pages_per_tile` entries; the extra
-    # entries point at page 0 and are masked by position.
-    cols = -(-max_blocks // t.pages_per_tile) * t.pages_per_tile
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, cols - max_blocks)))[seq]
+    # Pad the table to a power of two (a multiple of `pages_per_tile`) so every tile loads whole
+    # entries, and clamp it: entries past a sequence's pages (padding, maybe -1) are still loaded
+    # as part of a tile, then masked by position, so they must at least address a real page.
+    cols = max(pow2_ceil(max_blocks), t.pages_per_tile)
+    tables = jnp.clip(block_tables.astype(jnp.int32), 0, nb - 1)
+    tables = jnp.pad(tables, ((0, 0), (0, cols - max_blocks)))[seq]
 
     tok_idx = start[:, None] + jnp.arange(t.block_q)[None, :]  # [W, BQ]
     tok_ok = jnp.arange(t.block_q)[None, :] < ntok[:, None]

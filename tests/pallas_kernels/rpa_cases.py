@@ -20,9 +20,12 @@ def make_batch(
     num_blocks=None,
     dtype=np.float32,
     poison=True,
+    unused_entry=None,
 ):
     """A batch whose pages are a random permutation of the pool; unused pages, the unused tail of
-    each last page and padding query rows are NaN when `poison`, so reading them shows up."""
+    each last page and padding query rows are NaN when `poison`, so reading them shows up. Table
+    entries past a sequence's pages hold `unused_entry` (default: a poisoned page; -1 as an engine
+    may pad)."""
     q_lens = list(q_lens)
     kv_lens = list(kv_lens)
     n = len(q_lens)
@@ -41,8 +44,7 @@ def make_batch(
         blocks = perm[pos : pos + nb]
         pos += nb
         tables[i, :nb] = blocks
-        # Unused table entries point at a poisoned page rather than a valid one.
-        tables[i, nb:] = perm[-1]
+        tables[i, nb:] = perm[-1] if unused_entry is None else unused_entry
         for j, b in enumerate(blocks):
             used[b, : min(block_size, kl - j * block_size)] = True
     tables[n:] = perm[-1]

@@ -77,6 +77,8 @@ def test_bad_shapes_raise_clear_errors():
         ragged_paged_attention(
             jnp.ones((4, 8, 16)), kc, kc, args[0], args[1], args[0], 2, sm_scale=1.0
         )
+    with pytest.raises(ValueError, match="num_kv_splits must be 'auto' or an int >= 1, got 0"):
+        ragged_paged_attention(jnp.ones((4, 8, 16)), kc, kc, *args, sm_scale=1.0, num_kv_splits=0)
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         ragged_paged_attention(jnp.ones((4, 8, 16)), kc, kc, *args, sm_scale=1.0, sliding_window=0)
 
