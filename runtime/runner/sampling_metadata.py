@@ -18,6 +18,7 @@ import numpy as np
 GREEDY_TEMPERATURE = 1e-5
 LOGPROBS_BUCKETS = (0, 5, 20)
 _MIN_WIDTH = 8
+MAX_VOCAB_SIZE = 1 << 24  # the sampler's argmax carries token indices exactly in f32
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +137,8 @@ def make_sampling_metadata(
     """
     if num_rows < len(rows):
         raise ValueError(f"num_rows={num_rows} is smaller than the {len(rows)} rows given")
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if not 0 < vocab_size < MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size}: expected 0 < vocab_size < {MAX_VOCAB_SIZE}")
     f32, u32 = np.float32, np.uint32
     greedy = np.ones(num_rows, bool)
     temperature = np.ones(num_rows, f32)
