@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -185,3 +186,18 @@ def test_greedy_decode_matches_hf_generate(checkpoints, models):
         want = [hf_greedy(hf, p, n_new) for p in prompts]
         assert all(len(w) == n_new for w in want), want
         assert ours == want, name
+
+
+def test_kv_cache_allocation_matches_its_size(models):
+    graphdef, state = models["llama_mha_llama3_tied"]  # head_dim 32, 4 kv heads, 2 layers
+    model = nnx.merge(graphdef, state)
+    for dtype in (None, "bfloat16"):
+        kv = model.make_kv_cache(3, BLOCK, dtype)
+        assert len(kv) == 2 and kv[0][0].shape == (3, BLOCK, 4, 32)
+        assert kv[0][0].dtype == (model.config.jnp_dtype if dtype is None else jnp.bfloat16)
+        assert sum(a.nbytes for pair in kv for a in pair) == 3 * model.kv_cache_bytes_per_block(
+            BLOCK, dtype
+        )
+    batch = make_batch([SeqChunk((5, 6), 0, (1,))], BLOCK)
+    with pytest.raises(ValueError, match="1 KV cache layers for 2 attention layers"):
+        llama.forward(graphdef, state, model.make_kv_cache(4, BLOCK)[:1], batch)
