@@ -16,6 +16,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+MIN_CONTEXT_BUCKET = 256
+
 
 @dataclass
 class RequestRow:
@@ -75,12 +77,15 @@ class BatchBuilder:
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
-        self.seq_buckets = power_of_two_buckets(1, max_num_seqs)
+        # Few, coarse buckets: every distinct shape is one more compilation of the whole step.
+        self.seq_buckets = power_of_two_buckets(min(8, max_num_seqs), max_num_seqs)
         # The table width bounds the context every sequence gathers; bucketing it to the batch's
-        # longest context keeps short-context steps from paying for max_model_len.
+        # longest context (at least MIN_CONTEXT_BUCKET tokens) keeps short-context steps from
+        # paying for max_model_len.
+        first = min(-(-MIN_CONTEXT_BUCKET // block_size), self.max_blocks_per_seq)
         self.block_buckets = tuple(
             min(b, self.max_blocks_per_seq)
-            for b in power_of_two_buckets(1, self.max_blocks_per_seq)
+            for b in power_of_two_buckets(first, self.max_blocks_per_seq)
         )
         self._seen_shapes: set[tuple[int, int, int]] = set()
 

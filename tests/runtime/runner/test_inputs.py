@@ -42,10 +42,10 @@ def test_mixed_prefill_chunk_and_decode_layout():
     # slot = block * 4 + offset: a's position 5 -> block 3 offset 1; b's 4..9 -> blocks 2, 2, 2, 2, 5, 5
     np.testing.assert_array_equal(a["slot_mapping"][:7], [13, 8, 9, 10, 11, 20, 21])
     assert (a["slot_mapping"][7:] == -1).all()
-    np.testing.assert_array_equal(a["cu_q_lens"], [0, 1, 7])
-    np.testing.assert_array_equal(a["kv_lens"], [6, 10])
+    np.testing.assert_array_equal(a["cu_q_lens"], [0, 1] + [7] * 7)
+    np.testing.assert_array_equal(a["kv_lens"], [6, 10] + [0] * 6)
     assert int(a["num_seqs"]) == 2
-    assert a["block_tables"].shape == (2, 4)  # 10 tokens -> 3 blocks, bucketed to 4
+    assert a["block_tables"].shape == (8, 16)  # max_model_len 64 caps the 256-token bucket
     np.testing.assert_array_equal(a["block_tables"][1, :3], [9, 2, 5])
     assert hb.sampling_req_ids == ("a",)
     assert a["logits_indices"][0] == 0
