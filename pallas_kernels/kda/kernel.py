@@ -27,6 +27,9 @@ from pallas_kernels.platform import num_cores, resolve_interpret, triton_params
 
 HI = lax.Precision.HIGHEST
 CHUNK_SIZES = (16, 32, 64)
+# Value columns are processed in fixed 16-wide tiles, so every v_split runs the same dots on the
+# same shapes and gives bit-identical numbers (dot rounding may depend on a dot's width).
+TILE = heuristics.MIN_SLICE
 
 
 def _pow2(x: int) -> int:
@@ -72,20 +75,19 @@ def _prefill_kernel(
     bos = cu_ref[pl.program_id(0)]
     eos = cu_ref[pl.program_id(0) + 1]
     kd = q_ref.shape[-1]
-    vs = v_ref.shape[-1]
+    tiles = [pl.ds(i * TILE, TILE) for i in range(v_ref.shape[-1] // TILE)]
     rows = jnp.arange(c, dtype=jnp.int32)
     r2, c2 = rows[:, None], rows[None, :]
     eye = jnp.where(r2 == c2, 1.0, 0.0).astype(jnp.float32)
 
-    def chunk(ci, s):
+    def chunk(ci, state):
         t0 = bos + ci * c
         live = (t0 + rows) < eos
         mk = jnp.broadcast_to(live[:, None], (c, kd))
-        mv = jnp.broadcast_to(live[:, None], (c, vs))
+        mv = jnp.broadcast_to(live[:, None], (c, TILE))
         q = plt.load(q_ref.at[pl.ds(t0, c), :], mask=mk, other=0.0).astype(jnp.float32)
         k = plt.load(k_ref.at[pl.ds(t0, c), :], mask=mk, other=0.0).astype(jnp.float32)
         g = plt.load(g_ref.at[pl.ds(t0, c), :], mask=mk, other=0.0).astype(jnp.float32)
-        v = plt.load(v_ref.at[pl.ds(t0, c), :], mask=mv, other=0.0).astype(jnp.float32)
         b = plt.load(b_ref.at[pl.ds(t0, c)], mask=live, other=0.0).astype(jnp.float32)[:, None]
         if l2norm_qk:
             q, k = _l2norm(q), _l2norm(k)
@@ -114,17 +116,23 @@ def _prefill_kernel(
             tinv = _dot(tinv, eye + p, 1, 0)
         decay = jnp.exp(cum)
         w = _dot(tinv, b * decay * k, 1, 0)
-        u = _dot(tinv, b * v, 1, 0)
-        vp = u - _dot(w, s, 1, 1)
-        o = _dot(q * decay, s, 1, 1) + _dot(aqk, vp, 1, 0)
-        plt.store(o_ref.at[pl.ds(t0, c), :], o.astype(o_ref.dtype), mask=mv)
+        q_dec = q * decay
         last = jnp.sum(jnp.where(r2 == c - 1, cum, 0.0), axis=0, keepdims=True)
         k_rest = jnp.exp(jnp.minimum(last - cum, 0.0)) * k
-        return s * jnp.exp(last) + _dot(vp, k_rest, 0, 0)
+        keep = jnp.exp(last)
+        new = []
+        for cols, s in zip(tiles, state, strict=True):
+            v = plt.load(v_ref.at[pl.ds(t0, c), cols], mask=mv, other=0.0).astype(jnp.float32)
+            vp = _dot(tinv, b * v, 1, 0) - _dot(w, s, 1, 1)
+            o = _dot(q_dec, s, 1, 1) + _dot(aqk, vp, 1, 0)
+            plt.store(o_ref.at[pl.ds(t0, c), cols], o.astype(o_ref.dtype), mask=mv)
+            new.append(s * keep + _dot(vp, k_rest, 0, 0))
+        return tuple(new)
 
-    s = s0_ref[...].astype(jnp.float32)
-    s = lax.fori_loop(0, (eos - bos + c - 1) // c, chunk, s)
-    st_ref[...] = s.astype(st_ref.dtype)
+    state = tuple(s0_ref[cols, :].astype(jnp.float32) for cols in tiles)
+    state = lax.fori_loop(0, (eos - bos + c - 1) // c, chunk, state)
+    for cols, s in zip(tiles, state, strict=True):
+        st_ref[cols, :] = s.astype(st_ref.dtype)
 
 
 @functools.partial(
