@@ -108,8 +108,9 @@ def from_hf_dict(
     arch = _architecture(hf, path)
     num_heads = _positive_int(hf, "num_attention_heads", path)
     hidden = _positive_int(hf, "hidden_size", path)
-    num_kv = hf.get("num_key_value_heads") or num_heads
-    if not isinstance(num_kv, int) or num_kv <= 0:
+    num_kv = hf.get("num_key_value_heads")
+    num_kv = num_heads if num_kv is None else num_kv
+    if not isinstance(num_kv, int) or isinstance(num_kv, bool) or num_kv <= 0:
         raise ConfigError(f"{path}: num_key_value_heads must be a positive int, got {num_kv!r}")
     if num_heads % num_kv:
         raise ConfigError(

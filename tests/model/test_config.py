@@ -65,6 +65,8 @@ def test_inconsistent_head_counts_are_rejected_naming_the_values():
         cfg(hidden_size=66)
     assert cfg(hidden_size=66, head_dim=16).head_dim == 16  # explicit head_dim wins
     assert cfg(num_key_value_heads=None).num_key_value_heads == 4  # MHA default
+    with pytest.raises(ConfigError, match="num_key_value_heads must be a positive int, got 0"):
+        cfg(num_key_value_heads=0)
     for bad in (0, -2, "4"):
         with pytest.raises(ConfigError, match="num_attention_heads"):
             cfg(num_attention_heads=bad)
