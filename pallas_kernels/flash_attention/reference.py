@@ -6,6 +6,12 @@ import jax
 import jax.numpy as jnp
 
 
+def _precision():
+    """f32 dots on GPUs default to TF32, too coarse for an oracle; the CPU's default is full f32
+    and its HIGHEST path measured 2.5x slower on a batched decode einsum."""
+    return None if jax.default_backend() == "cpu" else jax.lax.Precision.HIGHEST
+
+
 def flash_attention(q, k, v, *, causal: bool, sm_scale: float, segment_ids=None):
     """q [B, S, H, D], k, v [B, S, Hkv, D] (H % Hkv == 0) -> [B, S, H, D] in q's dtype.
 
@@ -16,9 +22,7 @@ def flash_attention(q, k, v, *, causal: bool, sm_scale: float, segment_ids=None)
     hkv = k.shape[2]
     g = h // hkv
     qg = q.reshape(b, s, hkv, g, d).astype(jnp.float32)
-    sc = jnp.einsum(
-        "bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    sc = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=_precision())
     sc = sc * sm_scale
     mask = jnp.ones((1, s, s), bool)
     if causal:
@@ -31,7 +35,5 @@ def flash_attention(q, k, v, *, causal: bool, sm_scale: float, segment_ids=None)
     p = jnp.where(mask, jnp.exp(sc - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
-    o = jnp.einsum(
-        "bkgqs,bskd->bqkgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32), precision=_precision())
     return o.reshape(b, s, h, d).astype(q.dtype)
