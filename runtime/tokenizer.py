@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import immutables
 from tokenizers import Tokenizer as _Backend
 
 from runtime.chat_template import render_chat_template
@@ -80,7 +81,7 @@ class Tokenizer:
         return cls(
             path=path,
             backend=backend,
-            special_tokens=special,
+            special_tokens=immutables.Map(special),
             add_bos_token=None if add_bos is None else bool(add_bos),
             add_eos_token=bool(config.get("add_eos_token", False)),
             chat_template=_find_chat_template(path, config),
