@@ -5,8 +5,9 @@ For each pool size, requests of `--blocks-per-request` full blocks fill the whol
 - round 2 allocates a second, different set of requests, so every block comes off the LRU list and
   evicts a cached hash (the steady state of a busy engine), then frees them;
 - lookup walks the hash chains of round 2's (now cached, free) requests with `find_cached_prefix`.
-Reported figures are microseconds per block, medians over `--repeats` runs; the headline
-alloc / free figures are round 2's.
+Reported figures are microseconds of this process's CPU time per block (so other load on the
+machine does not count), medians over `--repeats` runs; the headline alloc / free figures are
+round 2's.
 
     python3 benchmarks/kv_cache_ops.py --json
 """
@@ -39,28 +40,28 @@ def _make_requests(first_token: int, num_requests: int, num_tokens: int, block_s
 
 
 def _allocate_all(state, requests, prefix):
-    start = time.perf_counter()
+    start = time.process_time()
     for index, request in enumerate(requests):
         result = kv.allocate_slots(
             state, f"{prefix}{index}", request.num_tokens, 0, block_hashes=request.block_hashes
         )
         state = result.state
-    return state, time.perf_counter() - start
+    return state, time.process_time() - start
 
 
 def _free_all(state, num_requests, prefix):
-    start = time.perf_counter()
+    start = time.process_time()
     for index in range(num_requests):
         state = kv.free(state, f"{prefix}{index}")
-    return state, time.perf_counter() - start
+    return state, time.process_time() - start
 
 
 def _lookup_all(state, requests):
-    start = time.perf_counter()
+    start = time.process_time()
     hits = 0
     for request in requests:
         hits += len(kv.find_cached_prefix(state, request).blocks)
-    return hits, time.perf_counter() - start
+    return hits, time.process_time() - start
 
 
 def measure(num_blocks: int, block_size: int, blocks_per_request: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ table tail-first has its shared prefix evicted last.
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from runtime.core import versioned_store as vs
 
@@ -136,32 +136,42 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
     taken = list(range(pool.next_fresh, pool.next_fresh + num_fresh))
     head, tail = pool.head, pool.tail
     tx = vs.Transaction(pool.data)
-    refs, nxt, _, hash_of, _, _ = tx.tables
+    refs, nxt, prv, hash_of, index, dup = tx.tables
+    log = tx.log
+    absent = vs.ABSENT
     try:
         for block in taken:
-            tx.set(REFS, block, 1)
+            log += (REFS, block, absent)
+            refs[block] = 1
         for _ in range(n - num_fresh):
             block = head
             head = nxt.get(block, NULL_BLOCK)
             if head == NULL_BLOCK:
                 tail = NULL_BLOCK
             else:
-                tx.delete(NXT, block)
-                tx.delete(PRV, head)
-            tx.set(REFS, block, 1)
+                log += (NXT, block, nxt.pop(block), PRV, head, prv.pop(head))
+            log += (REFS, block, absent)
+            refs[block] = 1
             if block in hash_of:
-                _drop_hash(tx, block)
+                block_hash = hash_of.pop(block)
+                log += (HASH_OF, block, block_hash)
+                if block in dup or index[block_hash] != block:
+                    _drop_shared_hash(tx, block, block_hash)
+                else:
+                    log += (INDEX, block_hash, block)
+                    del index[block_hash]
             taken.append(block)
     except BaseException:
         tx.abort()
         raise
-    new_pool = replace(
-        pool,
-        next_fresh=pool.next_fresh + num_fresh,
-        head=head,
-        tail=tail,
-        num_free=pool.num_free - n,
-        data=tx.commit(),
+    new_pool = BlockPool(
+        pool.num_blocks,
+        pool.block_size,
+        pool.next_fresh + num_fresh,
+        head,
+        tail,
+        pool.num_free - n,
+        tx.commit(),
     )
     return new_pool, tuple(taken)
 
@@ -204,37 +214,47 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     except BaseException:
         tx.abort()
         raise
-    return replace(pool, head=head, tail=tail, num_free=num_free, data=tx.commit())
+    return BlockPool(
+        pool.num_blocks, pool.block_size, pool.next_fresh, head, tail, num_free, tx.commit()
+    )
 
 
 def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     """Drop one reference per id; blocks reaching 0 join the free tail in the order given."""
-    head, tail, num_free = pool.head, pool.tail, pool.num_free
+    head, tail, num_free, limit = pool.head, pool.tail, pool.num_free, pool.num_blocks
     tx = vs.Transaction(pool.data)
-    refs = tx.tables[REFS]
+    refs, nxt, prv, _, _, _ = tx.tables
+    log = tx.log
+    absent = vs.ABSENT
     try:
         for block in block_ids:
-            _check_id(pool, block)
+            if type(block) is not int or not NULL_BLOCK < block < limit:
+                _check_id(pool, block)
             count = refs.get(block, 0)
-            if count == 0:
+            if count == 1:
+                log += (REFS, block, 1)
+                del refs[block]
+                if tail == NULL_BLOCK:
+                    head = block
+                else:
+                    log += (NXT, tail, absent, PRV, block, absent)
+                    nxt[tail] = block
+                    prv[block] = tail
+                tail = block
+                num_free += 1
+            elif count:
+                log += (REFS, block, count)
+                refs[block] = count - 1
+            else:
                 raise BlockPoolError(
                     f"release: block {block} has ref count 0 (double free, or never handed out)"
                 )
-            if count > 1:
-                tx.set(REFS, block, count - 1)
-                continue
-            tx.delete(REFS, block)
-            if tail == NULL_BLOCK:
-                head = block
-            else:
-                tx.set(NXT, tail, block)
-                tx.set(PRV, block, tail)
-            tail = block
-            num_free += 1
     except BaseException:
         tx.abort()
         raise
-    return replace(pool, head=head, tail=tail, num_free=num_free, data=tx.commit())
+    return BlockPool(
+        pool.num_blocks, pool.block_size, pool.next_fresh, head, tail, num_free, tx.commit()
+    )
 
 
 def set_block_hash(pool: BlockPool, block_id: int, block_hash: BlockHash) -> BlockPool:
@@ -251,23 +271,27 @@ def cache_blocks(
         )
     tx = vs.Transaction(pool.data)
     refs, _, _, hash_of, index, dup = tx.tables
+    log = tx.log
+    absent = vs.ABSENT
     try:
         for block, block_hash in zip(block_ids, block_hashes, strict=True):
-            _check_id(pool, block)
+            if type(block) is not int or block not in refs:
+                _check_id(pool, block)
+                raise BlockPoolError(
+                    f"set_block_hash: block {block} is free; only held blocks fill"
+                )
             if type(block_hash) is not bytes or len(block_hash) != HASH_NBYTES:
                 raise BlockPoolError(
                     f"block hash {block_hash!r}: expected {HASH_NBYTES} bytes (a sha256 digest)"
                 )
-            if block not in refs:
-                raise BlockPoolError(
-                    f"set_block_hash: block {block} is free; only held blocks fill"
-                )
             if block in hash_of:
                 raise BlockPoolError(f"set_block_hash: block {block} already has a hash")
-            tx.set(HASH_OF, block, block_hash)
+            log += (HASH_OF, block, absent)
+            hash_of[block] = block_hash
             first = index.get(block_hash)
             if first is None:
-                tx.set(INDEX, block_hash, block)
+                log += (INDEX, block_hash, absent)
+                index[block_hash] = block
                 continue
             later = dup.get(first)
             if later is not None:
@@ -276,16 +300,23 @@ def cache_blocks(
     except BaseException:
         tx.abort()
         raise
-    return replace(pool, data=tx.commit())
+    return BlockPool(
+        pool.num_blocks,
+        pool.block_size,
+        pool.next_fresh,
+        pool.head,
+        pool.tail,
+        pool.num_free,
+        tx.commit(),
+    )
 
 
 # ---------------------------------------------------------------- internals
 
 
-def _drop_hash(tx: vs.Transaction, block: int) -> None:
-    _, _, _, hash_of, index, dup = tx.tables
-    block_hash = hash_of[block]
-    tx.delete(HASH_OF, block)
+def _drop_shared_hash(tx: vs.Transaction, block: int, block_hash: BlockHash) -> None:
+    """Unregister one of several holders of `block_hash` (its own HASH_OF entry is gone)."""
+    _, _, _, _, index, dup = tx.tables
     later = dup.get(block)
     if later is not None:
         tx.delete(DUP, block)

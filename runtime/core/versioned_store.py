@@ -52,38 +52,42 @@ def read(version: Version) -> tuple[dict, ...]:
 
 
 class Transaction:
-    """Writes applied in place with an undo log; `commit` makes a new version, `abort` reverts."""
+    """Writes applied in place with an undo log; `commit` makes a new version, `abort` reverts.
 
-    __slots__ = ("tables", "_base", "_log")
+    Hot loops may write a table directly if they first append `(table, key, old value or ABSENT)`
+    to `log`, exactly as `set` and `delete` do.
+    """
+
+    __slots__ = ("tables", "log", "_base")
 
     def __init__(self, base: Version) -> None:
         self.tables = read(base)
+        self.log: list = []
         self._base = base
-        self._log: list = []
 
     def set(self, table: int, key: object, value: object) -> None:
         target = self.tables[table]
-        self._log += (table, key, target.get(key, ABSENT))
+        self.log += (table, key, target.get(key, ABSENT))
         target[key] = value
 
     def delete(self, table: int, key: object) -> None:
         target = self.tables[table]
-        self._log += (table, key, target.pop(key))
+        self.log += (table, key, target.pop(key))
 
     def commit(self) -> Version:
         base = self._base
-        if not self._log:
+        if not self.log:
             return base
         version = Version(base._store)
         base._toward_current = version
-        base._undo = tuple(self._log)
+        base._undo = tuple(self.log)
         base._store.current = version
-        self._log = []
+        self.log = []
         return version
 
     def abort(self) -> None:
-        _apply_undo(self.tables, self._log)
-        self._log = []
+        _apply_undo(self.tables, self.log)
+        self.log = []
 
 
 def _apply_undo(tables: tuple[dict, ...], undo) -> list:
