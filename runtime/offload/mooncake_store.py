@@ -18,6 +18,7 @@ __all__ = ["MooncakeStore", "TRANSIENT_ERRORS"]
 NO_AVAILABLE_HANDLE = -200
 TRANSFER_FAIL = -800
 TRANSIENT_ERRORS = frozenset({NO_AVAILABLE_HANDLE, TRANSFER_FAIL})
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 class MooncakeStore(KVStore):
@@ -39,6 +40,11 @@ class MooncakeStore(KVStore):
             raise ValueError(f"mooncake_master={master!r}: expected 'HOST:PORT'")
         if isinstance(block_nbytes, bool) or not isinstance(block_nbytes, int) or block_nbytes < 1:
             raise ValueError(f"block_nbytes={block_nbytes!r}: expected a positive int")
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"kv_offload_bytes={segment_bytes}: a Mooncake client contributes a segment of "
+                f"at least {MIN_SEGMENT_BYTES} bytes (16 MiB) to the pool; raise kv_offload_bytes"
+            )
         if block_nbytes > buffer_bytes:
             raise ValueError(
                 f"a KV block of {block_nbytes} bytes does not fit the Mooncake staging buffer of "
