@@ -1,0 +1,183 @@
+"""KV store throughput: 256 blocks of 64 KiB through each store, batched put then get.
+
+- host: HostStore in /dev/shm, in this process;
+- mooncake: MooncakeStore against a mooncake_master this script starts; Mooncake's sockets bind
+  0.0.0.0, so that part re-runs this script inside a private network namespace (`unshare -n`,
+  needs root) and reports why it was skipped otherwise;
+- host_jobs: the whole store-job path on device arrays (gather, copy to host, put) and the load
+  path (get, write into the KV cache), through KVOffloader.
+Figures are MiB/s, medians over `--repeats` rounds after one warm-up round.
+The end-to-end time to first token with a stored 2k-token prefix needs the engine
+(runtime/engine.py); it is reported as null with the reason until the engine exists.
+
+    python3 benchmarks/kv_offload.py --json
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_BLOCKS, BLOCK_BYTES = 256, 64 << 10
+MIB = NUM_BLOCKS * BLOCK_BYTES / 2**20
+PORT = 47751
+
+
+def _keys(round_: int):
+    return [hashlib.sha256(b"%d/%d" % (round_, i)).digest() for i in range(NUM_BLOCKS)]
+
+
+def _store_rates(store, repeats: int) -> dict:
+    values = [os.urandom(BLOCK_BYTES) for _ in range(NUM_BLOCKS)]
+    puts, gets = [], []
+    for round_ in range(repeats + 1):
+        keys = _keys(round_)
+        start = time.perf_counter()
+        assert all(store.put(keys, values).stored)
+        middle = time.perf_counter()
+        got = store.get(keys)
+        end = time.perf_counter()
+        assert got[0] == values[0] and got[-1] == values[-1]
+        if round_:
+            puts.append(MIB / (middle - start))
+            gets.append(MIB / (end - middle))
+        store.remove(keys)
+    return {"store_mib_s": statistics.median(puts), "load_mib_s": statistics.median(gets)}
+
+
+def _host(repeats: int) -> dict:
+    from runtime.offload.host_store import HostStore
+
+    with HostStore(2 * NUM_BLOCKS * BLOCK_BYTES, BLOCK_BYTES) as store:
+        return _store_rates(store, repeats)
+
+
+def _host_jobs(repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.core.kv_jobs import LoadJob, StoreJob
+    from runtime.offload.host_store import HostStore
+    from runtime.offload.offloader import KVOffloader
+
+    # 4 layers x (k, v) x [blocks, 16 tokens, 4 heads, 64] bf16 = 64 KiB per block.
+    shape = (NUM_BLOCKS + 1, 16, 4, 64)
+    kv = tuple((jnp.ones(shape, jnp.bfloat16), jnp.ones(shape, jnp.bfloat16) * 2) for _ in range(4))
+    ids = tuple(range(1, NUM_BLOCKS + 1))
+    offloader = KVOffloader(HostStore(2 * NUM_BLOCKS * BLOCK_BYTES, BLOCK_BYTES))
+    stores, loads, job_id = [], [], 0
+    for round_ in range(repeats + 1):
+        keys = tuple(_keys(round_))
+        job_id += 1
+        start = time.perf_counter()
+        offloader.start(kv, [StoreJob(job_id, "r", ids, keys)])
+        kv, done = offloader.finish(kv, wait_s=60)
+        middle = time.perf_counter()
+        job_id += 1
+        offloader.start(kv, [LoadJob(job_id, "r", ids, keys, 0)])
+        kv, done2 = offloader.finish(kv, wait_s=60)
+        jax.block_until_ready(kv)
+        end = time.perf_counter()
+        assert done[0].ok and done2[0].ok, offloader.errors
+        if round_:
+            stores.append(MIB / (middle - start))
+            loads.append(MIB / (end - middle))
+        offloader.store.remove(keys)
+    offloader.close()
+    return {"store_mib_s": statistics.median(stores), "load_mib_s": statistics.median(loads)}
+
+
+def _mooncake_inside(repeats: int) -> dict:
+    from runtime.offload.mooncake_store import MooncakeStore
+    from runtime.offload.store import StoreError
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    master = subprocess.Popen(
+        [
+            "mooncake_master",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={PORT}",
+            f"--metrics_port={PORT + 1}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                store = MooncakeStore(
+                    f"127.0.0.1:{PORT}",
+                    BLOCK_BYTES,
+                    namespace="bench",
+                    segment_bytes=256 << 20,
+                    buffer_bytes=64 << 20,
+                )
+                break
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        with store:
+            return _store_rates(store, repeats)
+    finally:
+        master.send_signal(signal.SIGTERM)
+        master.wait(timeout=10)
+
+
+def _mooncake(repeats: int) -> dict:
+    if os.geteuid() != 0:
+        return {"skipped": "needs root for a private network namespace (unshare -n)"}
+    done = subprocess.run(
+        [
+            "unshare",
+            "-n",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--mooncake-inside",
+            "--repeats",
+            str(repeats),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mooncake-inside", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mooncake_inside:
+        print(json.dumps(_mooncake_inside(args.repeats)))
+        return
+    result = {
+        "blocks": NUM_BLOCKS,
+        "block_bytes": BLOCK_BYTES,
+        "host": _host(args.repeats),
+        "host_jobs": _host_jobs(args.repeats),
+        "mooncake": _mooncake(args.repeats),
+        "ttft_2k_prefix": None,
+        "ttft_2k_prefix_reason": "needs runtime/engine.py (not in the tree yet)",
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, value in result.items():
+            print(f"{name}: {value}")
+
+
+if __name__ == "__main__":
+    main()
