@@ -6,6 +6,7 @@ A.2 with every matrix product a 2-D dot. Stability for any gate g <= 0 (the unbo
 the cumulative decay G is taken within the chunk, and no exponent ever exceeds 0 -- the intra-chunk
 matrices use exp(min(G_i - G_j, 0)) one column at a time instead of the factored exp(G_i)exp(-G_j),
 which overflows float32 once a chunk's decay passes e^88 (C = 16 at g = -20 would reach e^300).
+The state-dependent products run per 16-wide value tile (see TILE), so a split changes no bit.
 
 Decode grid (row, value head, V slice): one recurrent step on the state slot named by the row's
 index, written back into the donated pool; slot -1 is a padding row that writes zeros to its
