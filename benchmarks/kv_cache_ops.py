@@ -1,13 +1,12 @@
 """Throughput of KV-cache transitions (allocate, free, prefix lookup) at several pool sizes.
 
 For each pool size, requests of `--blocks-per-request` full blocks fill the whole pool:
-- round 1 allocates them from never-used blocks, registering every block's hash, then frees them;
-- round 2 allocates a second, different set of requests, so every block comes off the LRU list and
-  evicts a cached hash (the steady state of a busy engine), then frees them;
-- lookup walks the hash chains of round 2's (now cached, free) requests with `find_cached_prefix`.
+- a first round allocates them from never-used blocks, registering every block's hash, then frees;
+- each steady-state round allocates the other of two request sets, so every block comes off the
+  LRU list and evicts a cached hash (a busy engine), frees them, then looks their (now cached,
+  free) hash chains up with `find_cached_prefix`.
 Reported figures are microseconds of this process's CPU time per block (so other load on the
-machine does not count), medians over `--repeats` runs; the headline alloc / free figures are
-round 2's.
+machine does not count), medians over the steady-state rounds.
 
     python3 benchmarks/kv_cache_ops.py --json
 """
@@ -64,28 +63,33 @@ def _lookup_all(state, requests):
     return hits, time.process_time() - start
 
 
-def measure(num_blocks: int, block_size: int, blocks_per_request: int) -> dict[str, float]:
+def measure(num_blocks: int, block_size: int, blocks_per_request: int, rounds: int) -> dict:
     num_requests = (num_blocks - 1) // blocks_per_request
     num_tokens = blocks_per_request * block_size
-    first = _make_requests(0, num_requests, num_tokens, block_size)
-    second = _make_requests(num_requests * num_tokens, num_requests, num_tokens, block_size)
+    sets = (
+        _make_requests(0, num_requests, num_tokens, block_size),
+        _make_requests(num_requests * num_tokens, num_requests, num_tokens, block_size),
+    )
     num_alloc = num_requests * blocks_per_request
-
     state = kv.make_kv_cache(num_blocks, block_size, max_model_len=num_tokens)
-    state, fresh_s = _allocate_all(state, first, "a")
-    state, free_fresh_s = _free_all(state, num_requests, "a")
-    state, alloc_s = _allocate_all(state, second, "b")
-    assert kv.num_free_blocks(state) == num_blocks - 1 - num_alloc
-    state, free_s = _free_all(state, num_requests, "b")
-    hits, lookup_s = _lookup_all(state, second)
-    # Round 2 evicted every round-1 block, and round 2 must hit all but the last block (N-1 rule).
-    assert hits == num_requests * (blocks_per_request - 1), hits
-    per_block = 1e6 / num_alloc
+    state, fresh_s = _allocate_all(state, sets[0], "a")
+    state, _ = _free_all(state, num_requests, "a")
+    times: dict[str, list[float]] = {"alloc": [], "free": [], "lookup": []}
+    for round_index in range(rounds):
+        requests = sets[(round_index + 1) % 2]
+        # Every block comes off the LRU list and evicts the other set's cached hash.
+        state, alloc_s = _allocate_all(state, requests, "b")
+        assert kv.num_free_blocks(state) == num_blocks - 1 - num_alloc
+        state, free_s = _free_all(state, num_requests, "b")
+        hits, lookup_s = _lookup_all(state, requests)
+        # All but each request's last block hit (N-1 rule).
+        assert hits == num_requests * (blocks_per_request - 1), hits
+        times["alloc"].append(alloc_s * 1e6 / num_alloc)
+        times["free"].append(free_s * 1e6 / num_alloc)
+        times["lookup"].append(lookup_s * 1e6 / hits)
     return {
-        "alloc_fresh_us_per_block": fresh_s * per_block,
-        "alloc_us_per_block": alloc_s * per_block,
-        "free_us_per_block": free_s * per_block,
-        "lookup_us_per_block": lookup_s * 1e6 / hits,
+        "alloc_fresh_us_per_block": fresh_s * 1e6 / num_alloc,
+        **{f"{op}_us_per_block": statistics.median(values) for op, values in times.items()},
     }
 
 
@@ -94,17 +98,17 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--blocks-per-request", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="steady-state rounds at the largest pool"
+    )
     args = parser.parse_args()
 
     results = {}
     for num_blocks in POOL_SIZES:
-        runs = [
-            measure(num_blocks, args.block_size, args.blocks_per_request)
-            for _ in range(args.repeats)
-        ]
+        # Smaller pools run more rounds so each size times about as many blocks in all.
+        rounds = args.rounds * POOL_SIZES[-1] // num_blocks
+        results[num_blocks] = measure(num_blocks, args.block_size, args.blocks_per_request, rounds)
         gc.collect()
-        results[num_blocks] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
     def total(num_blocks: int) -> float:
         row = results[num_blocks]
@@ -126,7 +130,7 @@ def main() -> None:
         },
         "block_size": args.block_size,
         "blocks_per_request": args.blocks_per_request,
-        "repeats": args.repeats,
+        "rounds_at_largest_pool": args.rounds,
     }
     if args.json:
         print(json.dumps(report))
