@@ -82,6 +82,8 @@ class SchedulerOutput:
     preempted_req_ids: tuple[str, ...]
     # Finished or aborted since the previous step; the runner drops their state first.
     finished_req_ids: tuple[str, ...]
+    # KV store/load jobs planned this step (runtime/core/kv_jobs.py), for the offload worker.
+    kv_jobs: tuple = ()
 
     @property
     def req_ids(self) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
 from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
 from runtime.core.request import Request, RequestStatus, evolve
+from runtime.core.scheduler_kv_jobs import plan_loads, plan_stores
 from runtime.core.scheduler_state import (
     SchedulerError,
     SchedulerState,
@@ -72,11 +73,12 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
             f"schedule: the output of step {state.awaiting_update} has not been applied; call "
             "update() with it (and the runner's output) before scheduling the next step"
         )
+    state, loads = plan_loads(state)
     step = _Step(state)
     _schedule_running(step)
     if not step.preempted:
         _schedule_waiting(step)
-    return _finish(state, step)
+    return plan_stores(*_finish(state, step), loads)
 
 
 def _num_new_tokens(step: _Step, request: Request, num_computed: int) -> int:
@@ -88,35 +90,48 @@ def _num_new_tokens(step: _Step, request: Request, num_computed: int) -> int:
 
 
 def _schedule_running(step: _Step) -> None:
+    # The hot loop of a step (every running request, every step): attributes read once.
+    running, changed, base = step.running, step.changed, step.base
+    num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
+    threshold = step.config.long_prefill_token_threshold
     index = 0
-    while index < len(step.running) and step.token_budget > 0:
-        request = step.get(step.running[index])
+    while index < len(running) and step.token_budget > 0:
+        request_id = running[index]
+        request = changed.get(request_id) or base[request_id]
         computed = request.num_computed_tokens
-        num_new = min(_num_new_tokens(step, request, computed), step.token_budget)
-        planned = _plan_encoder_inputs(step, request, computed, num_new)
-        encoder, taken, num_new, encoder_budget = planned
-        if num_new == 0:
-            index += 1
-            continue
+        num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
+        if 0 < threshold < num_new:
+            num_new = threshold
+        num_new = min(num_new, step.token_budget)
+        if request.mm_inputs:
+            encoder, taken, num_new, encoder_budget = _plan_encoder_inputs(
+                step, request, computed, num_new
+            )
+            if num_new == 0:
+                index += 1
+                continue
         encoder_before = step.encoder
-        allocated, index = _allocate_or_preempt(step, index, request, num_new)
-        if allocated is None:
-            break
-        step.kv = allocated.state
-        step.num_scheduled[request.request_id] = num_new
-        step.new_blocks[request.request_id] = allocated.new_block_ids
+        if _fits_as_is(step.kv, request_id, num_new, request):
+            new_blocks = ()
+        else:
+            new_blocks, index = _allocate_or_preempt(step, index, request, num_new)
+            if new_blocks is None:
+                break
+        num_scheduled[request_id] = num_new
+        new_blocks_of[request_id] = new_blocks
         step.token_budget -= num_new
-        _take_encoder_inputs(step, request, encoder, encoder_before, taken, encoder_budget)
+        if request.mm_inputs:
+            _take_encoder_inputs(step, request, encoder, encoder_before, taken, encoder_budget)
         index += 1
 
 
 def _allocate_or_preempt(
     step: _Step, index: int, request: Request, num_new: int
-) -> tuple[kvc.Allocated | None, int]:
+) -> tuple[tuple[int, ...] | None, int]:
     """Allocate slots for a running request, preempting others (or itself) until it fits.
 
-    Returns the allocation (None if the request itself was preempted) and the loop index,
-    moved back when an already scheduled request was preempted.
+    Returns the freshly appended block ids (None if the request itself was preempted) and the
+    loop index, moved back when an already scheduled request was preempted.
     """
     request_id = request.request_id
     while True:
@@ -128,7 +143,8 @@ def _allocate_or_preempt(
             block_hashes=request.block_hashes,
         )
         if isinstance(result, kvc.Allocated):
-            return result, index
+            step.kv = result.state
+            return result.new_block_ids, index
         position = _victim_position(step)
         victim = step.running.pop(position)
         if victim in step.num_scheduled:
@@ -139,6 +155,23 @@ def _allocate_or_preempt(
         _preempt(step, victim)
         if victim == request_id:
             return None, index
+
+
+def _fits_as_is(kv: kvc.KVCache, request_id: str, num_new: int, request: Request) -> bool:
+    """Whether `allocate_slots` would change nothing: no new block is needed and no block
+    becomes full and cacheable. Most decode steps are such, and skipping the call keeps a step's
+    cost proportional to the requests whose blocks change."""
+    table = kv.tables.get(request_id)
+    if table is None:
+        return False
+    filled = request.num_computed_tokens + num_new
+    block_size = kv.pool.block_size
+    if filled > len(table) * block_size or filled > kv.max_model_len:
+        return False
+    if not kv.enable_prefix_caching or not request.block_hashes:
+        return True
+    num_full = min(filled // block_size, len(request.block_hashes), len(table))
+    return num_full <= kv.num_cached.get(request_id, 0)
 
 
 def _victim_position(step: _Step) -> int:
@@ -343,6 +376,7 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         step=state.step + 1,
         finished_since_last=(),
         awaiting_update=state.step,
+        kv_jobs=state.kv_jobs,
     )
     return new_state, output
 

@@ -5,6 +5,7 @@ O(state): never called by the engine loop.
 
 from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
+from runtime.core import kv_jobs as kj
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import RequestStatus
 from runtime.core.scheduler_state import SchedulerState, priority_key
@@ -20,19 +21,22 @@ def _require(ok: bool, message: str) -> None:
 def check_state(state: SchedulerState) -> None:
     """Raise AssertionError naming the first broken invariant of `state`."""
     config = state.config
-    kvc.check_invariants(state.kv)
+    # Requests waiting for a KV load hold a table but sit in neither queue (scheduler_kv_jobs).
+    jobs = state.kv_jobs
+    loading = frozenset(jobs.loading) if jobs is not None else frozenset()
+    kvc.check_invariants(state.kv, extra_holders=kj.pins(jobs) if jobs is not None else ())
     ec.check_invariants(state.encoder)
     waiting, running = state.waiting, state.running
     _require(len(set(waiting)) == len(waiting), f"waiting repeats ids: {waiting}")
     _require(len(set(running)) == len(running), f"running repeats ids: {running}")
     _require(not set(waiting) & set(running), f"ids both waiting and running: {waiting} {running}")
     _require(
-        set(waiting) | set(running) == set(state.requests),
+        set(waiting) | set(running) | loading == set(state.requests),
         f"queued ids {sorted(set(waiting) | set(running))} != requests {sorted(state.requests)}",
     )
     _require(len(running) <= config.max_num_seqs, f"{len(running)} running > max_num_seqs")
     _require(
-        set(state.kv.tables) == set(running),
+        set(state.kv.tables) == set(running) | loading,
         f"block tables {sorted(state.kv.tables)} != running {sorted(running)}",
     )
     for request_id in waiting:

@@ -13,6 +13,7 @@ from immutables import Map
 from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
 from runtime.core.encoder_cache import EncoderCache, make_encoder_cache
+from runtime.core.kv_jobs import KVJobs
 from runtime.core.request import Request
 from runtime.core.scheduler_config import SchedulerConfig
 
@@ -48,6 +49,8 @@ class SchedulerState:
     finished_since_last: tuple[str, ...]
     # The step of the schedule() output whose update() has not been applied, if any.
     awaiting_update: int | None
+    # KV store/load jobs (runtime/core/scheduler_kv_jobs.py); None when no KV store is used.
+    kv_jobs: KVJobs | None = None
 
     def __repr__(self) -> str:
         return (

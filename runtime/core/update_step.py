@@ -5,11 +5,12 @@ up with its tokens gets its sampled token appended and its stop conditions check
 requests release their blocks and encoder references and leave the state.
 """
 
-from immutables import Map
+from collections.abc import Sequence
 
 from runtime.core import kv_cache as kvc
 from runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from runtime.core.request import Request, evolve
+from runtime.core.scheduler_kv_jobs import apply_kv_job_results, detach_finished
 from runtime.core.scheduler_state import (
     SchedulerError,
     SchedulerState,
@@ -22,20 +23,27 @@ __all__ = ["remove_finished", "update"]
 
 
 def update(
-    state: SchedulerState, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    state: SchedulerState,
+    scheduler_output: SchedulerOutput,
+    runner_output: ModelRunnerOutput,
+    kv_job_results: tuple = (),
 ) -> tuple[SchedulerState, tuple[EngineCoreOutput, ...]]:
+    """`kv_job_results`: the `KVJobResult`s of KV jobs that ended since the last update."""
     _check_step(state, scheduler_output, runner_output)
+    step = scheduler_output.step
     scheduled = scheduler_output.num_scheduled_tokens
     row_of = {rid: row for row, rid in enumerate(runner_output.req_ids)}
     # Requests that finished or were aborted after this output was made: their lifecycle ended,
     # and a request now holding the same id was not scheduled by it.
     ended = frozenset(state.finished_since_last)
     config = state.config
+    max_model_len = config.max_model_len
     block_size = config.block_size
     hashing = config.enable_prefix_caching
+    requests = state.requests
     sampled_rows = runner_output.sampled_token_ids
     logprob_rows = runner_output.logprobs
-    prompt_logprobs = runner_output.prompt_logprobs or Map()
+    prompt_logprobs = runner_output.prompt_logprobs
     encoder = state.encoder
     changed: dict[str, Request] = {}
     finished: list[Request] = []
@@ -43,44 +51,40 @@ def update(
     for request_id, num_tokens in scheduled.items():
         if request_id in ended:
             continue
-        request = state.requests.get(request_id)
+        request = requests.get(request_id)
         row = row_of.get(request_id)
         if request is None or row is None:
+            missing = (
+                "is unknown to the state"
+                if request is None
+                else "is missing from the runner output"
+            )
             raise SchedulerError(
-                f"update(step {scheduler_output.step}): request {request_id!r} was scheduled but "
-                + (
-                    "is unknown to the state"
-                    if request is None
-                    else "is missing from the runner output"
-                )
+                f"update(step {step}): request {request_id!r} was scheduled but {missing}"
             )
         sampled = sampled_rows[row]
         computed = request.num_computed_tokens + num_tokens
-        if computed < request.num_tokens:
+        output_ids = request.output_token_ids
+        total = len(request.prompt_token_ids) + len(output_ids)
+        if computed < total:
             if sampled:
                 raise SchedulerError(
-                    f"update(step {scheduler_output.step}): request {request_id!r} is mid-prefill "
-                    f"({computed} of {request.num_tokens} tokens) but the runner sampled {sampled}"
+                    f"update(step {step}): request {request_id!r} is mid-prefill "
+                    f"({computed} of {total} tokens) but the runner sampled {sampled}"
                 )
             new = evolve(request, num_computed_tokens=computed)
+            new_ids = ()
             stop = None
         else:
-            if len(sampled) != 1:
-                raise SchedulerError(
-                    f"update(step {scheduler_output.step}): request {request_id!r} computed all "
-                    f"its tokens and expects exactly one sampled token, got {sampled!r}"
-                )
-            token = sampled[0]
-            if not isinstance(token, int) or token < 0:
-                raise SchedulerError(
-                    f"update(step {scheduler_output.step}): request {request_id!r} sampled "
-                    f"token {token!r}, expected an int >= 0"
-                )
-            output_ids = request.output_token_ids + (token,)
+            new_ids = _one_token(step, request_id, sampled)
+            output_ids = output_ids + new_ids
             hashes = request.block_hashes
-            if hashing and (request.num_tokens + 1) // block_size > len(hashes):
+            if hashing and (total + 1) // block_size > len(hashes):
                 hashes = kvc.extend_block_hashes(
-                    hashes, request.prompt_token_ids + output_ids, block_size, hash_extras(request)
+                    hashes,
+                    _Tokens(request.prompt_token_ids, output_ids),
+                    block_size,
+                    hash_extras(request),
                 )
             new = evolve(
                 request,
@@ -88,7 +92,7 @@ def update(
                 num_computed_tokens=computed,
                 block_hashes=hashes,
             )
-            stop = check_stop(new, config.max_model_len)
+            stop = check_stop(new, max_model_len)
         if new.mm_inputs:
             encoder = release_request_inputs(encoder, new, upto=computed)
         if stop is not None:
@@ -98,20 +102,18 @@ def update(
             finished.append(new)
         else:
             changed[request_id] = new
-        prompt_entry = prompt_logprobs.get(request_id)
-        if new.output_token_ids is not request.output_token_ids or prompt_entry is not None:
-            new_ids = new.output_token_ids[request.num_output_tokens :]
+        prompt_entry = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
+        if new_ids or prompt_entry is not None:
             outputs.append(
                 EngineCoreOutput(
-                    req_id=request_id,
-                    new_token_ids=new_ids,
-                    finish_reason=new.finish_reason,
-                    stop_reason=new.stop_reason,
-                    new_logprobs=None if logprob_rows is None else logprob_rows[row],
-                    new_prompt_logprobs=prompt_entry,
+                    request_id,
+                    new_ids,
+                    new.finish_reason,
+                    new.stop_reason,
+                    None if logprob_rows is None else logprob_rows[row],
+                    prompt_entry,
                 )
             )
-    requests = state.requests
     if changed:
         with requests.mutate() as mutable:
             for request_id, request in changed.items():
@@ -127,8 +129,52 @@ def update(
         step=state.step,
         finished_since_last=state.finished_since_last,
         awaiting_update=None,
+        kv_jobs=state.kv_jobs,
     )
+    new_state = apply_kv_job_results(new_state, tuple(kv_job_results))
     return remove_finished(new_state, finished), tuple(outputs)
+
+
+def _one_token(step: int, request_id: str, sampled: tuple[int, ...]) -> tuple[int, ...]:
+    if len(sampled) != 1:
+        raise SchedulerError(
+            f"update(step {step}): request {request_id!r} computed all its tokens and expects "
+            f"exactly one sampled token, got {sampled!r}"
+        )
+    token = sampled[0]
+    if not isinstance(token, int) or token < 0:
+        raise SchedulerError(
+            f"update(step {step}): request {request_id!r} sampled token {token!r}, expected an "
+            "int >= 0"
+        )
+    return sampled if type(sampled) is tuple else (token,)
+
+
+class _Tokens(Sequence):
+    """prompt + output as one read-only sequence without copying either (hashing the newly
+    full block only reads its slice)."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: tuple[int, ...], output: tuple[int, ...]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(len(self))
+            cut = len(self._prompt)
+            if stride != 1 or start < cut < stop:
+                return (self._prompt + self._output)[index]
+            if stop <= cut:
+                return self._prompt[start:stop]
+            return self._output[start - cut : stop - cut]
+        if index < 0:
+            index += len(self)
+        cut = len(self._prompt)
+        return self._prompt[index] if index < cut else self._output[index - cut]
 
 
 def remove_finished(state: SchedulerState, finished: list[Request]) -> SchedulerState:
@@ -158,6 +204,7 @@ def remove_finished(state: SchedulerState, finished: list[Request]) -> Scheduler
         finished_since_last=state.finished_since_last
         + tuple(r.request_id for r in finished if r.request_id not in reported),
         awaiting_update=state.awaiting_update,
+        kv_jobs=detach_finished(state, ids),
     )
 
 
