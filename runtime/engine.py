@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 
 from model.config import ModelConfig
 from runtime.config import ConfigError, EngineConfig
-from runtime.core import kv_cache
+from runtime.core import kv_cache, kv_jobs
 from runtime.core import scheduler as sched
 from runtime.core.outputs import EngineCoreOutput, LogprobsEntry, SchedulerOutput
 from runtime.core.request import FinishReason, Request, SamplingParams
 from runtime.core.scheduler_config import SchedulerConfig
+from runtime.core.scheduler_kv_jobs import enable_kv_jobs, has_pending_kv_jobs
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.runner.model_runner import ModelRunner
 from runtime.tokenizer import Tokenizer
@@ -110,6 +111,19 @@ class Engine:
                 policy=config.scheduling_policy,
             )
         )
+        self.offloader = None
+        if config.kv_offload is not None:
+            from runtime.offload.offloader import KVOffloader, make_store
+
+            store = make_store(
+                config.kv_offload,
+                self.runner.kv_caches,
+                kv_offload_bytes=config.kv_offload_bytes,
+                mooncake_master=config.mooncake_master,
+                namespace=f"{mc.path}:{mc.dtype}:{config.block_size}",
+            )
+            self.offloader = KVOffloader(store)
+            self.state = enable_kv_jobs(self.state)
         self.record = record
         self.history: list[SchedulerOutput] = []
         self.stats: list[StepStats] = []
@@ -165,6 +179,14 @@ class Engine:
             priority=priority,
         )
         self.state = sched.add_request(self.state, request)
+        if self.offloader is not None and self.config.kv_offload == "mooncake":
+            # A shared pool may hold prefixes other engines stored.
+            hashes = self.state.requests[request_id].block_hashes
+            found = self.offloader.stored_prefix(hashes)
+            if found:
+                self.state = replace(
+                    self.state, kv_jobs=kv_jobs.note_stored(self.state.kv_jobs, found)
+                )
         detok = (
             None
             if self.tokenizer is None
@@ -181,14 +203,33 @@ class Engine:
             self.tracked[rid].finish_reason = FinishReason.ABORT
 
     def has_unfinished_requests(self) -> bool:
-        return sched.has_unfinished_requests(self.state)
+        """Requests still running, or KV jobs still pinning blocks (their completions arrive only
+        with a step, so the loop keeps stepping)."""
+        return sched.has_unfinished_requests(self.state) or has_pending_kv_jobs(self.state)
+
+    @property
+    def offload_stats(self):
+        return None if self.state.kv_jobs is None else self.state.kv_jobs.stats
+
+    def close(self) -> None:
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
 
     def step(self) -> list[TrackedRequest]:
         """One schedule / execute / update round; returns the requests that finished in it."""
         before = self.state
         self.state, so = sched.schedule(self.state)
         runner_out = self.runner.execute(so)
-        self.state, outputs = sched.update(self.state, so, runner_out)
+        results = ()
+        if self.offloader is not None:
+            # After execute: the blocks a store job gathers hold this step's KV.
+            self.offloader.start(self.runner.kv_caches, so.kv_jobs)
+            idle = so.total_num_scheduled_tokens == 0
+            self.runner.kv_caches, results = self.offloader.finish(
+                self.runner.kv_caches, wait_s=0.01 if idle else 0.0
+            )
+        self.state, outputs = sched.update(self.state, so, runner_out, results)
         if self.record:
             self.history.append(so)
         self._record_stats(before, so)
