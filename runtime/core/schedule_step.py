@@ -11,6 +11,11 @@ the scheduled tokens once the runner has computed them.
 
 from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
+from runtime.core.encoder_scheduling import (
+    assign_encoder_work,
+    plan_encoder_inputs,
+    take_encoder_inputs,
+)
 from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
 from runtime.core.request import Request, RequestStatus, evolve
 from runtime.core.scheduler_kv_jobs import plan_loads, plan_stores
@@ -104,8 +109,8 @@ def _schedule_running(step: _Step) -> None:
             num_new = threshold
         num_new = min(num_new, step.token_budget)
         if request.mm_inputs:
-            encoder, taken, num_new, encoder_budget = _plan_encoder_inputs(
-                step, request, computed, num_new
+            encoder, taken, num_new, encoder_budget = plan_encoder_inputs(
+                step.encoder, step.encoder_budget, request, computed, num_new
             )
             if num_new == 0:
                 index += 1
@@ -121,7 +126,10 @@ def _schedule_running(step: _Step) -> None:
         new_blocks_of[request_id] = new_blocks
         step.token_budget -= num_new
         if request.mm_inputs:
-            _take_encoder_inputs(step, request, encoder, encoder_before, taken, encoder_budget)
+            step.encoder = take_encoder_inputs(
+                step.encoder, request, encoder, encoder_before, taken
+            )
+            step.encoder_budget = encoder_budget
         index += 1
 
 
@@ -213,8 +221,8 @@ def _schedule_waiting(step: _Step) -> None:
         if not config.enable_chunked_prefill and num_new > step.token_budget:
             break
         num_new = min(num_new, step.token_budget)
-        encoder, taken, num_new, encoder_budget = _plan_encoder_inputs(
-            step, request, computed, num_new
+        encoder, taken, num_new, encoder_budget = plan_encoder_inputs(
+            step.encoder, step.encoder_budget, request, computed, num_new
         )
         if num_new == 0:
             break
@@ -231,71 +239,8 @@ def _schedule_waiting(step: _Step) -> None:
         )
         step.admitted.append((request_id, request.status is RequestStatus.PREEMPTED, num_new))
         step.token_budget -= num_new
-        _take_encoder_inputs(step, request, encoder, step.encoder, taken, encoder_budget)
+        step.encoder, step.encoder_budget = encoder, encoder_budget
     step.waiting = step.waiting[num_taken:]
-
-
-# ---------------------------------------------------------------- encoder inputs
-
-
-def _plan_encoder_inputs(
-    step: _Step, request: Request, computed: int, num_new: int
-) -> tuple[ec.EncoderCache, tuple[int, ...], int, int]:
-    """Which encoder inputs this step's token range [computed, computed + num_new) needs.
-
-    Returns the encoder cache with them referenced, their indices, the (possibly cut) number of
-    tokens and the encoder budget left. A needed input that cannot be computed this step cuts
-    the range to the tokens before it; if the range already starts inside it (a prefix hit),
-    nothing can be scheduled.
-    """
-    encoder, budget = step.encoder, step.encoder_budget
-    if not request.mm_inputs:
-        return encoder, (), num_new, budget
-    taken = []
-    for position, item in enumerate(request.mm_inputs):
-        if item.offset >= computed + num_new:
-            break
-        if item.end <= computed:
-            continue
-        owner = (request.request_id, position)
-        entry = encoder.entries.get(item.content_hash)
-        if entry is not None:
-            if owner not in entry.refs:
-                encoder = ec.add_ref(encoder, item.content_hash, owner)
-                taken.append(position)
-            continue
-        if item.num_embeds > budget or not ec.can_allocate(encoder, item.num_embeds):
-            num_new = item.offset - computed if computed < item.offset else 0
-            break
-        encoder = ec.allocate(encoder, item.content_hash, owner, item.num_embeds)
-        budget -= item.num_embeds
-        taken.append(position)
-    return encoder, tuple(taken), num_new, budget
-
-
-def _take_encoder_inputs(
-    step: _Step,
-    request: Request,
-    planned: ec.EncoderCache,
-    planned_from: ec.EncoderCache,
-    taken: tuple[int, ...],
-    budget_left: int,
-) -> None:
-    """Commit a plan. If preemptions released encoder refs since it was made, replay it on the
-    current cache instead (they only freed space, so it still fits)."""
-    step.encoder_budget = budget_left
-    if step.encoder is planned_from:
-        step.encoder = planned
-        return
-    encoder = step.encoder
-    for position in taken:
-        item = request.mm_inputs[position]
-        owner = (request.request_id, position)
-        if ec.is_cached(encoder, item.content_hash):
-            encoder = ec.add_ref(encoder, item.content_hash, owner)
-        else:
-            encoder = ec.allocate(encoder, item.content_hash, owner, item.num_embeds)
-    step.encoder = encoder
 
 
 # ---------------------------------------------------------------- output
@@ -355,7 +300,7 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         scheduled_cached_reqs=tuple(cached),
         num_scheduled_tokens=frozen_mapping(num_scheduled),
         total_num_scheduled_tokens=sum(num_scheduled.values()),
-        scheduled_encoder_inputs=_assign_encoder_work(encoder, to_compute, num_scheduled),
+        scheduled_encoder_inputs=assign_encoder_work(encoder, to_compute, num_scheduled),
         free_encoder_hashes=to_free,
         preempted_req_ids=tuple(step.preempted),
         finished_req_ids=state.finished_since_last,
@@ -379,20 +324,3 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         kv_jobs=state.kv_jobs,
     )
     return new_state, output
-
-
-def _assign_encoder_work(
-    encoder: ec.EncoderCache, to_compute: tuple[str, ...], batch: dict[str, int]
-):
-    """Each entry allocated this step is computed once, by its first user in batch order (every
-    user of such an entry is scheduled this step: users that were preempted dropped their refs)."""
-    if not to_compute:
-        return frozen_mapping({})
-    position = {request_id: k for k, request_id in enumerate(batch)}
-    work: dict[str, list[int]] = {}
-    for content_hash in to_compute:
-        request_id, index = min(
-            encoder.entries[content_hash].refs, key=lambda o: (position[o[0]], o[1])
-        )
-        work.setdefault(request_id, []).append(index)
-    return frozen_mapping({rid: tuple(sorted(work[rid])) for rid in batch if rid in work})
