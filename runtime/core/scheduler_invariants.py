@@ -8,7 +8,7 @@ from runtime.core import kv_cache as kvc
 from runtime.core import kv_jobs as kj
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import RequestStatus
-from runtime.core.scheduler_state import SchedulerState, priority_key
+from runtime.core.scheduler_state import SchedulerState, hash_extras, priority_key
 
 __all__ = ["check_output", "check_state"]
 
@@ -64,10 +64,13 @@ def check_state(state: SchedulerState) -> None:
     for request in state.requests.values():
         _require(request.finish_reason is None, f"finished {request.request_id!r} is still held")
         if config.enable_prefix_caching:
+            expected = kvc.extend_block_hashes(
+                (), request.all_token_ids, config.block_size, hash_extras(request)
+            )
             _require(
-                len(request.block_hashes) == request.num_tokens // config.block_size,
+                request.block_hashes == expected,
                 f"{request.request_id!r}: {len(request.block_hashes)} block hashes for "
-                f"{request.num_tokens} tokens",
+                f"{request.num_tokens} tokens, not the hash chain of its tokens",
             )
     for content_hash, entry in state.encoder.entries.items():
         for request_id, position in entry.refs:
