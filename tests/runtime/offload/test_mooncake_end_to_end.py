@@ -1,0 +1,22 @@
+"""The engine on a real Mooncake pool (two engines sharing it), in a private network namespace."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_engines_share_prefixes_through_a_mooncake_pool():
+    script = os.path.join(os.path.dirname(__file__), "mooncake_engine_scenario.py")
+    done = subprocess.run(
+        ["unshare", "-n", sys.executable, script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in ("engine ok", "shared pool ok", "MOONCAKE ENGINE SCENARIO PASSED"):
+        assert line in done.stdout, done.stdout
