@@ -9,6 +9,7 @@ only if nothing was preempted this step.
 the scheduled tokens once the runner has computed them.
 """
 
+from runtime.core import block_pool as bp
 from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
 from runtime.core.encoder_scheduling import (
@@ -46,6 +47,7 @@ class _Step:
         "num_scheduled",
         "preempted",
         "running",
+        "threshold",
         "token_budget",
         "waiting",
     )
@@ -59,6 +61,10 @@ class _Step:
         self.running = list(state.running)
         self.waiting = state.waiting
         self.token_budget = state.config.max_num_batched_tokens
+        # The long-prefill cap keeps one prefill from starving the others; with a single
+        # request there is nobody to starve (vLLM lifts it then too).
+        many = len(state.running) + len(state.waiting) > 1
+        self.threshold = state.config.long_prefill_token_threshold if many else 0
         self.encoder_budget = state.config.encoder_compute_budget
         # Running requests scheduled this step, in order: tokens and freshly appended blocks.
         self.num_scheduled: dict[str, int] = {}
@@ -88,7 +94,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
 
 def _num_new_tokens(step: _Step, request: Request, num_computed: int) -> int:
     num_new = request.num_tokens - num_computed
-    threshold = step.config.long_prefill_token_threshold
+    threshold = step.threshold
     if 0 < threshold < num_new:
         num_new = threshold
     return num_new
@@ -98,7 +104,7 @@ def _schedule_running(step: _Step) -> None:
     # The hot loop of a step (every running request, every step): attributes read once.
     running, changed, base = step.running, step.changed, step.base
     num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
-    threshold = step.config.long_prefill_token_threshold
+    threshold = step.threshold
     index = 0
     while index < len(running) and step.token_budget > 0:
         request_id = running[index]
@@ -207,13 +213,17 @@ def _preempt(step: _Step, request_id: str) -> None:
 
 def _schedule_waiting(step: _Step) -> None:
     config = step.config
-    num_taken = 0
+    waiting = step.waiting
+    position = 0
+    # Requests passed over this step (an encoder input they need cannot run yet); they keep
+    # their place at the head of the queue, so they do not stall the requests behind them.
+    passed: list[str] = []
     while (
-        num_taken < len(step.waiting)
+        position < len(waiting)
         and step.token_budget > 0
         and len(step.running) < config.max_num_seqs
     ):
-        request_id = step.waiting[num_taken]
+        request_id = waiting[position]
         request = step.get(request_id)
         prefix = kvc.find_cached_prefix(step.kv, request)
         computed = prefix.num_tokens
@@ -225,6 +235,10 @@ def _schedule_waiting(step: _Step) -> None:
             step.encoder, step.encoder_budget, request, computed, num_new
         )
         if num_new == 0:
+            passed.append(request_id)
+            position += 1
+            continue
+        if config.reserve_full_sequence and not _whole_sequence_fits(step.kv, request, prefix):
             break
         result = kvc.allocate_slots(
             step.kv, request_id, num_new, 0, prefix.blocks, block_hashes=request.block_hashes
@@ -232,7 +246,7 @@ def _schedule_waiting(step: _Step) -> None:
         if not isinstance(result, kvc.Allocated):
             break
         step.kv = result.state
-        num_taken += 1
+        position += 1
         step.running.append(request_id)
         step.changed[request_id] = evolve(
             request, status=RequestStatus.RUNNING, num_computed_tokens=computed
@@ -240,7 +254,19 @@ def _schedule_waiting(step: _Step) -> None:
         step.admitted.append((request_id, request.status is RequestStatus.PREEMPTED, num_new))
         step.token_budget -= num_new
         step.encoder, step.encoder_budget = encoder, encoder_budget
-    step.waiting = step.waiting[num_taken:]
+    step.waiting = (*passed, *waiting[position:]) if passed else waiting[position:]
+
+
+def _whole_sequence_fits(kv: kvc.KVCache, request: Request, prefix: kvc.CachedPrefix) -> bool:
+    """vLLM's admission check (scheduler_reserve_full_isl): every token the request has must
+    fit in the free blocks, not only this step's chunk, so that admitting it does not soon
+    force a preemption. A prefix-hit block that is free leaves the free list when touched."""
+    pool = kv.pool
+    block_size = pool.block_size
+    num_tokens = min(request.num_tokens, kv.max_model_len)
+    revived = sum(1 for block in prefix.blocks if bp.ref_count(pool, block) == 0)
+    needed = -(-num_tokens // block_size) - len(prefix.blocks) + revived
+    return needed <= kvc.num_free_blocks(kv)
 
 
 # ---------------------------------------------------------------- output

@@ -27,6 +27,9 @@ class SchedulerConfig:
     # A prefill chunk of one request is at most this many tokens (0 = no cap).
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # Admit a waiting request only if all its tokens fit in the free blocks, not just its first
+    # chunk (vLLM's scheduler_reserve_full_isl, on by default there too).
+    reserve_full_sequence: bool = True
     # In encoder embeddings; None = max_num_batched_tokens (vLLM's default).
     encoder_cache_size: int | None = None
     encoder_compute_budget: int | None = None
@@ -45,7 +48,7 @@ class SchedulerConfig:
                 raise SchedulerConfigError(
                     f"SchedulerConfig.{name}={value!r}: expected an int >= {minimum}"
                 )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "reserve_full_sequence"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(
                     f"SchedulerConfig.{name}={getattr(self, name)!r}: expected a bool"

@@ -112,7 +112,8 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
             request.num_computed_tokens <= request.num_tokens - 1,
             f"{request_id!r}: prefix hit leaves nothing to compute",
         )
-        if config.long_prefill_token_threshold:
+        # The cap is lifted when a single request is queued (nobody to starve).
+        if config.long_prefill_token_threshold and len(before.running) + len(before.waiting) > 1:
             _require(
                 num_tokens <= config.long_prefill_token_threshold,
                 f"{request_id!r}: {num_tokens} tokens over long_prefill_token_threshold",

@@ -7,7 +7,7 @@ from runtime.core import block_pool as bp
 from runtime.core import kv_cache as kvc
 from runtime.core import scheduler as sch
 from runtime.core.outputs import ModelRunnerOutput
-from runtime.core.request import FinishReason, RequestStatus
+from runtime.core.request import FinishReason, MultiModalInput, RequestStatus
 from runtime.core.scheduler_config import SchedulerConfig, SchedulerConfigError
 from runtime.core.synthetic_runner import runner_output
 
@@ -230,3 +230,31 @@ def test_config_validation(overrides, match):
     with pytest.raises(SchedulerConfigError, match=match):
         SchedulerConfig(**{**base, **overrides})
     assert SchedulerConfig(**base).encoder_cache_size == 32
+
+
+def test_admission_reserves_the_whole_sequence_unless_disabled():
+    # 16 usable blocks: a holds 2, so b's 60 tokens (15 blocks) do not fit although its first
+    # 24-token chunk would (vLLM's scheduler_reserve_full_isl).
+    reqs = (request("a", 8, 30), request("b", 60, 1))
+    _, out = schedule(add(make(num_blocks=17), *reqs))
+    assert dict(out.num_scheduled_tokens) == {"a": 8}
+    _, out = schedule(add(make(num_blocks=17, reserve_full_sequence=False), *reqs))
+    assert dict(out.num_scheduled_tokens) == {"a": 8, "b": 24}
+
+
+def test_long_prefill_cap_is_lifted_for_a_single_request():
+    _, out = schedule(add(make(long_prefill_token_threshold=8), request("a", 20, 1)))
+    assert dict(out.num_scheduled_tokens) == {"a": 20}
+
+
+def test_a_waiting_request_whose_encoder_input_cannot_run_does_not_stall_the_queue():
+    state = make(encoder_compute_budget=8)
+    state = add(
+        state,
+        request("a", 10, 1, mm=(MultiModalInput("X", 0, 8),)),
+        request("b", 10, 1, mm=(MultiModalInput("Y", 0, 8),)),
+        request("c", 10, 1),
+    )
+    scheduled, out = schedule(state)
+    assert dict(out.num_scheduled_tokens) == {"a": 10, "c": 10}
+    assert scheduled.waiting == ("b",)
