@@ -7,6 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bitcast import from_bits, to_bits
+
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -28,6 +30,10 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     n = nb * bs
     # A negative index would wrap to the last slot; send skipped tokens past the end to be dropped.
     slots = jnp.where(slot_mapping < 0, n, slot_mapping).astype(jnp.int32)
-    kf = k_cache.reshape(n, hkv, d).at[slots].set(k.astype(k_cache.dtype), mode="drop")
-    vf = v_cache.reshape(n, hkv, d).at[slots].set(v.astype(v_cache.dtype), mode="drop")
-    return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)
+
+    def put(cache, x):
+        flat = to_bits(cache).reshape(n, hkv, d)
+        flat = flat.at[slots].set(to_bits(x.astype(cache.dtype)), mode="drop")
+        return from_bits(flat.reshape(cache.shape), cache.dtype)
+
+    return put(k_cache, k), put(v_cache, v)

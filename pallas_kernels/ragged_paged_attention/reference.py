@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bitcast import from_bits, to_bits
 from pallas_kernels.ragged_paged_attention.work_items import (
     pow2_ceil,
     query_positions,
@@ -72,8 +73,8 @@ def ragged_paged_attention(
     qw = q[jnp.clip(rows, 0, t - 1)].reshape(w, chunk, hkv, g, d)
 
     pages = block_tables[seq]  # [W, MB]
-    kw = k_cache[pages].reshape(w, ctx, hkv, d)
-    vw = v_cache[pages].reshape(w, ctx, hkv, d)
+    kw = from_bits(to_bits(k_cache)[pages], k_cache.dtype).reshape(w, ctx, hkv, d)
+    vw = from_bits(to_bits(v_cache)[pages], v_cache.dtype).reshape(w, ctx, hkv, d)
 
     kv_len = kv_lens[seq]
     q_pos = query_positions(seq, start, kv_lens, cu_q_lens)[:, None] + jnp.arange(chunk)[None, :]
