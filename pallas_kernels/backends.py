@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import jax
-from jax._src import xla_bridge
+
+from pallas_kernels.platform import current_platform
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,7 @@ def implementations(op: str) -> dict[str, Implementation]:
 
 
 def default_platform() -> str:
-    # jax.default_backend() says "gpu" for both vendors; implementations are declared per vendor.
-    return xla_bridge.canonicalize_platform(jax.default_backend())
+    return current_platform()
 
 
 def select(

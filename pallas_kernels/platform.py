@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 
 import jax
+from jax._src import xla_bridge
 from jax.experimental.pallas import triton as plt
+
+
+def current_platform() -> str:
+    """ "cpu", "cuda" or "rocm": jax.default_backend() says "gpu" for both GPU vendors, while
+    kernels are declared (and tuned) per vendor."""
+    return xla_bridge.canonicalize_platform(jax.default_backend())
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -27,5 +34,5 @@ def num_cores() -> int:
 def triton_params(num_warps: int = 4, num_stages: int | None = None) -> plt.CompilerParams:
     """Always passed explicitly: the params' type is what selects the Triton lowering (kernels.md C.1)."""
     if num_stages is None:
-        num_stages = 1 if jax.default_backend() == "rocm" else 2
+        num_stages = 1 if current_platform() == "rocm" else 2
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
