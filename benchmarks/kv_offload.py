@@ -5,15 +5,19 @@
   0.0.0.0, so that part re-runs this script inside a private network namespace (`unshare -n`,
   needs root) and reports why it was skipped otherwise;
 - host_jobs: the whole store-job path on device arrays (gather, copy to host, put) and the load
-  path (get, write into the KV cache), through KVOffloader.
-Figures are MiB/s, medians over `--repeats` rounds after one warm-up round.
-The end-to-end time to first token with a stored 2k-token prefix needs the engine
-(runtime/engine.py); it is reported as null with the reason until the engine exists.
+  path (get, write into the KV cache), through KVOffloader;
+  these figures are MiB/s, medians over `--repeats` rounds after one warm-up round.
+- ttft_2k_prefix: end to end through the engine on the ~50M-parameter Llama of
+  offline_throughput.py (float32, random weights): the time to first token (max_tokens=1) of a
+  request whose 2048-token prefix an earlier request stored and a third request then evicted from
+  the device pool, with kv_offload="host" (the prefix is loaded) vs off (it is recomputed); medians
+  over `--repeats` rounds, each on fresh prefixes, after one warm-up round per engine.
 
     python3 benchmarks/kv_offload.py --json
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -154,6 +158,82 @@ def _mooncake(repeats: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+PREFIX, SUFFIX, TTFT_BLOCK = 2048, 16, 16
+# The pool holds one request of max_model_len tokens; the evictor's prompt (and its one sampled
+# token) fills every usable block, so no block of the prefix survives on the device.
+TTFT_POOL_BLOCKS = (PREFIX + SUFFIX) // TTFT_BLOCK + 7
+MAX_MODEL_LEN = (TTFT_POOL_BLOCKS - 1) * TTFT_BLOCK
+EVICTOR_LEN = MAX_MODEL_LEN - 1
+
+
+def _ttft_engine(checkpoint: str, offload: bool):
+    from vlax import LLM
+
+    extra = dict(kv_offload="host", kv_offload_bytes=1 << 30) if offload else {}
+    return LLM(
+        checkpoint,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=TTFT_BLOCK,
+        num_kv_blocks=TTFT_POOL_BLOCKS,
+        max_num_seqs=1,
+        **extra,
+    ).engine
+
+
+def _serve(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
+    """Seconds until the request's first (only) token, and the prefill tokens it computed;
+    then drain the engine (its store jobs) untimed."""
+    from runtime.core.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first_step = len(engine.stats)
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    while not any(t.request_id == request_id for t in engine.step()):
+        pass
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds, sum(s.num_prefill_tokens for s in engine.stats[first_step:])
+
+
+def _ttft_round(engine, round_: int, rng) -> tuple[float, int]:
+    vocab = 32000
+    prefix = rng.integers(3, vocab, PREFIX).tolist()
+    _serve(engine, f"{round_}-first", prefix + rng.integers(3, vocab, SUFFIX).tolist())
+    _serve(engine, f"{round_}-evictor", rng.integers(3, vocab, EVICTOR_LEN).tolist())
+    return _serve(engine, f"{round_}-again", prefix + rng.integers(3, vocab, SUFFIX).tolist())
+
+
+def _ttft(repeats: int) -> dict:
+    import tempfile
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from benchmarks.offline_throughput import CONFIG
+
+    result = {"prefix_tokens": PREFIX, "suffix_tokens": SUFFIX, "block_size": TTFT_BLOCK}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**{**CONFIG, "max_position_embeddings": 4096})
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        for name, offload in (("recompute", False), ("host_store", True)):
+            engine = _ttft_engine(tmp, offload)
+            rng = np.random.default_rng(0)
+            rounds = [_ttft_round(engine, r, rng) for r in range(repeats + 1)][1:]
+            result[name] = {
+                "ttft_s": statistics.median(s for s, _ in rounds),
+                "prefill_tokens": sorted({n for _, n in rounds}),
+            }
+            if offload:
+                result[name]["offload_stats"] = dataclasses.asdict(engine.offload_stats)
+            engine.close()
+    result["speedup"] = result["recompute"]["ttft_s"] / result["host_store"]["ttft_s"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -169,8 +249,7 @@ def main() -> None:
         "host": _host(args.repeats),
         "host_jobs": _host_jobs(args.repeats),
         "mooncake": _mooncake(args.repeats),
-        "ttft_2k_prefix": None,
-        "ttft_2k_prefix_reason": "needs runtime/engine.py (not in the tree yet)",
+        "ttft_2k_prefix": _ttft(args.repeats),
     }
     if args.json:
         print(json.dumps(result))
