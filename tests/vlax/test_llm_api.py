@@ -1,0 +1,97 @@
+"""The LLM API on the embedded default checkpoint (it has a tokenizer and a chat template)."""
+
+import pytest
+
+from runtime.config import ConfigError
+from runtime.runner.model_runner import KVCacheSizeError
+from vlax import LLM, SamplingParams
+from vlax.default_model import default_model_path
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(default_model_path(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(path, max_model_len=256, max_num_seqs=8, block_size=16)
+
+
+def test_text_prompts_in_order_with_text_and_finish_reasons(llm):
+    prompts = ["Hello", "The capital of France is", "a b c d e f g"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    for o in outs:
+        assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt)
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason in ("length", "stop")
+        assert c.text == llm.tokenizer.decode(c.token_ids)
+
+
+def test_stop_string_cuts_text_and_finishes(llm):
+    free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    text = free[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    sp = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
+    out = llm.generate(["Hello"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    sp = SamplingParams(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True)
+    out = llm.generate(["Hello"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=7, n=3, ignore_eos=True)
+    a = llm.generate(["Once upon a time"], sp, use_tqdm=False)[0]
+    # The same seeded request mixed into a different batch samples the same tokens.
+    b = llm.generate(
+        ["other", "Once upon a time", "more"],
+        [SamplingParams(max_tokens=3), sp, SamplingParams(max_tokens=5)],
+        use_tqdm=False,
+    )[1]
+    assert len(a.outputs) == 3 and [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_logprobs_and_prompt_logprobs_shapes(llm):
+    sp = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    o = llm.generate(["Hello there friend"], sp, use_tqdm=False)[0]
+    c = o.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids)
+    for tok, pos in zip(c.token_ids, c.logprobs, strict=True):
+        assert tok in pos and 3 <= len(pos) <= 4
+        assert max(pos.values(), key=lambda lp: lp.logprob).rank == 1  # greedy took the top one
+    assert c.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for p, t in zip(c.logprobs, c.token_ids, strict=True))
+    )
+    assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(o.prompt_token_ids)
+    for tok, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True):
+        assert tok in pos
+
+
+def test_chat_uses_the_template(llm):
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert out.prompt == llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+
+
+def test_bad_inputs_name_the_problem(llm, path):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [10**7]}], use_tqdm=False)
+    with pytest.raises(TypeError, match="a prompt must be"):
+        llm.generate([3.5], use_tqdm=False)
+    with pytest.raises(ConfigError, match="exceeds the checkpoint's max_position_embeddings"):
+        LLM(path, max_model_len=10**6)
+    with pytest.raises(KVCacheSizeError, match="max_model_len=256 needs 16 KV blocks"):
+        LLM(path, max_model_len=256, num_kv_blocks=8)
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        LLM(path, attention_backend="flash")
+    # The engine is still usable after the refused requests.
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
