@@ -116,3 +116,19 @@ def test_pallas_attention_backend_matches_hf(checkpoints):
     ref = _hf_reference(path, prompts)
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
     check_logprobs_close(_ours(outs), ref, atol=2e-3)
+
+
+def test_bf16_f32_kv_cache_on_cpu_gives_the_bf16_cache_tokens(tmp_path):
+    """On the CPU a bf16 model keeps an f32 KV cache (bf16 keys/values are exact in f32): the same
+    tokens and logprobs as the Pallas path, which keeps the cache in bf16."""
+    path = write_tiny_checkpoint(tmp_path / "bf16", "llama", seed=4, dtype="bfloat16")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(13, [5, 11])]
+    runs = []
+    for backend in ("reference", "pallas"):
+        llm = LLM(path, max_model_len=64, max_num_seqs=2, block_size=8, attention_backend=backend)
+        kv_dtype = llm.engine.runner.kv_caches[0][0].dtype.name
+        runs.append((kv_dtype, _ours(llm.generate(prompts, GREEDY, use_tqdm=False))))
+    (dt_ref, ref), (dt_pallas, pallas) = runs
+    assert (dt_ref, dt_pallas) == ("float32", "bfloat16")
+    assert [r[0] for r in ref] == [p[0] for p in pallas]
+    check_logprobs_close(ref, pallas, atol=5e-2)  # the kernel rounds probabilities to bf16
