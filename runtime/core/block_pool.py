@@ -3,6 +3,8 @@
 A `BlockPool` is an immutable value; every transition returns a new pool, at a cost proportional
 to the blocks it touches, never to `num_blocks` (the per-block maps live in a
 `versioned_store`, which keeps every version valid and makes the newest one O(1) to update).
+Per-block fields are dense slots indexed by block id, so making a pool is one O(num_blocks)
+zero-fill (memset speed), not a transition.
 
 The eviction order is two parts, head first:
 1. the "fresh" range `next_fresh .. num_blocks - 1`: blocks never handed out yet, kept as a range so
@@ -21,8 +23,9 @@ BlockHash = bytes
 NULL_BLOCK = 0
 HASH_NBYTES = 32
 
-# Tables of the versioned store. REFS holds only blocks with a count above 0. NXT / PRV link the
-# freed list (NULL_BLOCK doubles as "none": it is never on the list). Several blocks may hold equal
+# Tables of the versioned store. REFS, NXT, PRV are `IntSlots` and HASH_OF an `ObjSlots` indexed
+# by block id; INDEX and DUP are dicts. NXT / PRV link the freed list (NULL_BLOCK, i.e. 0, doubles
+# as "none": it is never on the list). Several blocks may hold equal
 # content (two requests that computed the same prefix at once; tables stay append-only): INDEX
 # names the earliest registered holder of a hash and DUP chains the others.
 REFS, NXT, PRV, HASH_OF, INDEX, DUP = range(6)
@@ -41,6 +44,7 @@ class BlockPool:
     head: int
     tail: int
     num_free: int
+    num_cached: int
     data: vs.Version
 
     def __repr__(self) -> str:
@@ -64,7 +68,17 @@ def make_block_pool(num_blocks: int, block_size: int) -> BlockPool:
         head=NULL_BLOCK,
         tail=NULL_BLOCK,
         num_free=num_blocks - 1,
-        data=vs.new_version(6),
+        num_cached=0,
+        data=vs.new_version_of(
+            (
+                vs.IntSlots(num_blocks),
+                vs.IntSlots(num_blocks),
+                vs.IntSlots(num_blocks),
+                vs.ObjSlots(num_blocks),
+                {},
+                {},
+            )
+        ),
     )
 
 
@@ -77,7 +91,7 @@ def num_free_blocks(pool: BlockPool) -> int:
 
 def ref_count(pool: BlockPool, block_id: int) -> int:
     _check_id(pool, block_id)
-    return vs.read(pool.data)[REFS].get(block_id, 0)
+    return vs.read(pool.data)[REFS][block_id]
 
 
 def is_free(pool: BlockPool, block_id: int) -> bool:
@@ -86,7 +100,7 @@ def is_free(pool: BlockPool, block_id: int) -> bool:
 
 def block_hash_of(pool: BlockPool, block_id: int) -> BlockHash | None:
     _check_id(pool, block_id)
-    return vs.read(pool.data)[HASH_OF].get(block_id)
+    return vs.read(pool.data)[HASH_OF][block_id]
 
 
 def lookup_cached(pool: BlockPool, block_hash: BlockHash) -> int | None:
@@ -107,7 +121,7 @@ def cached_run(pool: BlockPool, block_hashes: Sequence[BlockHash], limit: int) -
 
 
 def num_cached_blocks(pool: BlockPool) -> int:
-    return len(vs.read(pool.data)[HASH_OF])
+    return pool.num_cached
 
 
 def free_order(pool: BlockPool) -> tuple[int, ...]:
@@ -117,7 +131,7 @@ def free_order(pool: BlockPool) -> tuple[int, ...]:
     block = pool.head
     while block != NULL_BLOCK:
         order.append(block)
-        block = nxt.get(block, NULL_BLOCK)
+        block = nxt[block]
     return tuple(order)
 
 
@@ -134,27 +148,30 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
         return pool, ()
     num_fresh = min(n, pool.num_blocks - pool.next_fresh)
     taken = list(range(pool.next_fresh, pool.next_fresh + num_fresh))
-    head, tail = pool.head, pool.tail
+    head, tail, num_cached = pool.head, pool.tail, pool.num_cached
     tx = vs.Transaction(pool.data)
     refs, nxt, prv, hash_of, index, dup = tx.tables
     log = tx.log
-    absent = vs.ABSENT
     try:
         for block in taken:
-            log += (REFS, block, absent)
+            log += (REFS, block, 0)
             refs[block] = 1
         for _ in range(n - num_fresh):
             block = head
-            head = nxt.get(block, NULL_BLOCK)
+            head = nxt[block]
             if head == NULL_BLOCK:
                 tail = NULL_BLOCK
             else:
-                log += (NXT, block, nxt.pop(block), PRV, head, prv.pop(head))
-            log += (REFS, block, absent)
+                log += (NXT, block, head, PRV, head, block)
+                nxt[block] = NULL_BLOCK
+                prv[head] = NULL_BLOCK
+            log += (REFS, block, 0)
             refs[block] = 1
-            if block in hash_of:
-                block_hash = hash_of.pop(block)
+            block_hash = hash_of[block]
+            if block_hash is not None:
                 log += (HASH_OF, block, block_hash)
+                hash_of[block] = None
+                num_cached -= 1
                 if block in dup or index[block_hash] != block:
                     _drop_shared_hash(tx, block, block_hash)
                 else:
@@ -171,6 +188,7 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
         head,
         tail,
         pool.num_free - n,
+        num_cached,
         tx.commit(),
     )
     return new_pool, tuple(taken)
@@ -181,6 +199,7 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     head, tail, num_free = pool.head, pool.tail, pool.num_free
     tx = vs.Transaction(pool.data)
     refs, nxt, prv, _, _, _ = tx.tables
+    log = tx.log
     try:
         for block in block_ids:
             _check_id(pool, block)
@@ -188,34 +207,39 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
                 raise BlockPoolError(
                     f"touch: block {block} was never handed out, so nothing can hold or reuse it"
                 )
-            count = refs.get(block, 0)
-            tx.set(REFS, block, count + 1)
+            count = refs[block]
+            log += (REFS, block, count)
+            refs[block] = count + 1
             if count:
                 continue
-            before = prv.get(block, NULL_BLOCK)
-            after = nxt.get(block, NULL_BLOCK)
+            before = prv[block]
+            after = nxt[block]
+            # Unlinking `block` sets before.next = after and after.prev = before (0 = none).
             if before == NULL_BLOCK:
                 head = after
             else:
-                tx.delete(PRV, block)
-                if after == NULL_BLOCK:
-                    tx.delete(NXT, before)
-                else:
-                    tx.set(NXT, before, after)
+                log += (PRV, block, before, NXT, before, block)
+                prv[block] = NULL_BLOCK
+                nxt[before] = after
             if after == NULL_BLOCK:
                 tail = before
             else:
-                tx.delete(NXT, block)
-                if before == NULL_BLOCK:
-                    tx.delete(PRV, after)
-                else:
-                    tx.set(PRV, after, before)
+                log += (NXT, block, after, PRV, after, block)
+                nxt[block] = NULL_BLOCK
+                prv[after] = before
             num_free -= 1
     except BaseException:
         tx.abort()
         raise
     return BlockPool(
-        pool.num_blocks, pool.block_size, pool.next_fresh, head, tail, num_free, tx.commit()
+        pool.num_blocks,
+        pool.block_size,
+        pool.next_fresh,
+        head,
+        tail,
+        num_free,
+        pool.num_cached,
+        tx.commit(),
     )
 
 
@@ -225,19 +249,18 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     tx = vs.Transaction(pool.data)
     refs, nxt, prv, _, _, _ = tx.tables
     log = tx.log
-    absent = vs.ABSENT
     try:
         for block in block_ids:
             if type(block) is not int or not NULL_BLOCK < block < limit:
                 _check_id(pool, block)
-            count = refs.get(block, 0)
+            count = refs[block]
             if count == 1:
                 log += (REFS, block, 1)
-                del refs[block]
+                refs[block] = 0
                 if tail == NULL_BLOCK:
                     head = block
                 else:
-                    log += (NXT, tail, absent, PRV, block, absent)
+                    log += (NXT, tail, NULL_BLOCK, PRV, block, NULL_BLOCK)
                     nxt[tail] = block
                     prv[block] = tail
                 tail = block
@@ -253,7 +276,14 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
         tx.abort()
         raise
     return BlockPool(
-        pool.num_blocks, pool.block_size, pool.next_fresh, head, tail, num_free, tx.commit()
+        pool.num_blocks,
+        pool.block_size,
+        pool.next_fresh,
+        head,
+        tail,
+        num_free,
+        pool.num_cached,
+        tx.commit(),
     )
 
 
@@ -269,13 +299,14 @@ def cache_blocks(
         raise BlockPoolError(
             f"cache_blocks: {len(block_ids)} block ids but {len(block_hashes)} hashes"
         )
+    num_cached, limit = pool.num_cached, pool.num_blocks
     tx = vs.Transaction(pool.data)
     refs, _, _, hash_of, index, dup = tx.tables
     log = tx.log
     absent = vs.ABSENT
     try:
         for block, block_hash in zip(block_ids, block_hashes, strict=True):
-            if type(block) is not int or block not in refs:
+            if type(block) is not int or not NULL_BLOCK < block < limit or not refs[block]:
                 _check_id(pool, block)
                 raise BlockPoolError(
                     f"set_block_hash: block {block} is free; only held blocks fill"
@@ -284,10 +315,11 @@ def cache_blocks(
                 raise BlockPoolError(
                     f"block hash {block_hash!r}: expected {HASH_NBYTES} bytes (a sha256 digest)"
                 )
-            if block in hash_of:
+            if hash_of[block] is not None:
                 raise BlockPoolError(f"set_block_hash: block {block} already has a hash")
-            log += (HASH_OF, block, absent)
+            log += (HASH_OF, block, None)
             hash_of[block] = block_hash
+            num_cached += 1
             first = index.get(block_hash)
             if first is None:
                 log += (INDEX, block_hash, absent)
@@ -307,6 +339,7 @@ def cache_blocks(
         pool.head,
         pool.tail,
         pool.num_free,
+        num_cached,
         tx.commit(),
     )
 

@@ -11,16 +11,76 @@ version into itself. Reading or writing a version that is not current first re-r
 onto it (cost ~ the changes between the two versions). So every version stays valid and unchanged
 forever, the newest one is O(1) to read and update, and old ones are O(changes) to revisit.
 Not safe for concurrent use from several threads (re-rooting mutates the shared dicts).
+
+A table may also be dense (`IntSlots`, `ObjSlots`): one slot per key 0..n-1, a sentinel meaning
+"absent". Per-block fields of a large pool then cost a 4- or 8-byte contiguous slot instead of a
+dict entry plus a boxed int, which keeps a 256k-block pool's working set in cache. Their undo-log
+entries hold the old slot value (never ABSENT).
 """
 
+from array import array
+
 ABSENT = object()  # an undo-log value meaning "the key was not in the dict"
+
+
+class IntSlots(array):
+    """Dense int table, 0 meaning absent. `t[k]` reads and writes the raw slot (hot loops).
+
+    The mapping methods (`get`, `in`, `len`, iteration, `items`) see only non-zero slots; `len`
+    and iteration are O(n), for tests and invariant checks.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, size: int) -> "IntSlots":
+        return super().__new__(cls, "i", bytes(4 * size))
+
+    def get(self, key: int, default: object = None) -> object:
+        return self[key] or default
+
+    def __contains__(self, key: object) -> bool:
+        return self[key] != 0
+
+    def __len__(self) -> int:
+        return array.__len__(self) - self.count(0)
+
+    def __iter__(self):
+        return (key for key, value in enumerate(array.__iter__(self)) if value)
+
+    def items(self):
+        return ((key, value) for key, value in enumerate(array.__iter__(self)) if value)
+
+
+class ObjSlots(list):
+    """Dense object table, None meaning absent; same read protocol as `IntSlots`."""
+
+    __slots__ = ()
+
+    def __init__(self, size: int) -> None:
+        super().__init__([None] * size)
+
+    def get(self, key: int, default: object = None) -> object:
+        value = self[key]
+        return default if value is None else value
+
+    def __contains__(self, key: object) -> bool:
+        return self[key] is not None
+
+    def __len__(self) -> int:
+        return list.__len__(self) - self.count(None)
+
+    def __iter__(self):
+        return (key for key, value in enumerate(list.__iter__(self)) if value is not None)
+
+    def items(self):
+        return ((key, value) for key, value in enumerate(list.__iter__(self)) if value is not None)
 
 
 class _Store:
     __slots__ = ("tables", "current")
 
-    def __init__(self, num_tables: int) -> None:
-        self.tables: tuple[dict, ...] = tuple({} for _ in range(num_tables))
+    def __init__(self, tables: tuple) -> None:
+        self.tables: tuple = tables
         self.current: Version | None = None
 
 
@@ -37,7 +97,12 @@ class Version:
 
 
 def new_version(num_tables: int) -> Version:
-    store = _Store(num_tables)
+    return new_version_of(tuple({} for _ in range(num_tables)))
+
+
+def new_version_of(tables: tuple) -> Version:
+    """A first version owning `tables` (empty dicts, `IntSlots`, `ObjSlots`); the caller drops them."""
+    store = _Store(tables)
     version = Version(store)
     store.current = version
     return version
@@ -55,7 +120,7 @@ class Transaction:
     """Writes applied in place with an undo log; `commit` makes a new version, `abort` reverts.
 
     Hot loops may write a table directly if they first append `(table, key, old value or ABSENT)`
-    to `log`, exactly as `set` and `delete` do.
+    to `log`, exactly as `set` and `delete` do (a dense table logs its old slot value).
     """
 
     __slots__ = ("tables", "log", "_base")
@@ -67,11 +132,15 @@ class Transaction:
 
     def set(self, table: int, key: object, value: object) -> None:
         target = self.tables[table]
-        self.log += (table, key, target.get(key, ABSENT))
+        old = target.get(key, ABSENT) if type(target) is dict else target[key]
+        self.log += (table, key, old)
         target[key] = value
 
     def delete(self, table: int, key: object) -> None:
+        """Remove a dict entry (a dense table has no delete: write its sentinel with `set`)."""
         target = self.tables[table]
+        if type(target) is not dict:
+            raise TypeError(f"delete: table {table} is dense; set its slot {key!r} to the sentinel")
         self.log += (table, key, target.pop(key))
 
     def commit(self) -> Version:
@@ -96,6 +165,10 @@ def _apply_undo(tables: tuple[dict, ...], undo) -> list:
     for position in range(len(undo) - 3, -1, -3):
         table, key, old = undo[position], undo[position + 1], undo[position + 2]
         target = tables[table]
+        if type(target) is not dict:
+            redo += (table, key, target[key])
+            target[key] = old
+            continue
         redo += (table, key, target.get(key, ABSENT))
         if old is ABSENT:
             del target[key]
