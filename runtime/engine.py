@@ -120,7 +120,7 @@ class Engine:
                 self.runner.kv_caches,
                 kv_offload_bytes=config.kv_offload_bytes,
                 mooncake_master=config.mooncake_master,
-                namespace=f"{mc.path}:{mc.dtype}:{config.block_size}",
+                namespace=f"{mc.path}:{self.runner.kv_dtype}:{config.block_size}",
             )
             self.offloader = KVOffloader(store)
             self.state = enable_kv_jobs(self.state)
