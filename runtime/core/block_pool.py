@@ -138,12 +138,23 @@ def free_order(pool: BlockPool) -> tuple[int, ...]:
 # ---------------------------------------------------------------- transitions
 
 
-def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...]]:
-    """Hand out `n` blocks from the eviction head with ref count 1; evicted blocks lose their hash."""
+def take_free_blocks(
+    pool: BlockPool, n: int, block_hashes: Sequence[BlockHash] = ()
+) -> tuple[BlockPool, tuple[int, ...]]:
+    """Hand out `n` blocks from the eviction head with ref count 1; evicted blocks lose their hash.
+
+    The first `len(block_hashes)` blocks handed out are registered under those hashes, as
+    `cache_blocks` would (one pass: newly allocated full blocks are the common case).
+    """
     if not _is_int(n) or n < 0:
         raise BlockPoolError(f"take_free_blocks: n={n!r}, expected an int >= 0")
     if n > pool.num_free:
         raise BlockPoolError(f"take_free_blocks: {n} blocks asked for, only {pool.num_free} free")
+    if len(block_hashes) > n:
+        raise BlockPoolError(
+            f"take_free_blocks: {len(block_hashes)} hashes for {n} blocks; only taken blocks fill"
+        )
+    _check_hashes(block_hashes)
     if n == 0:
         return pool, ()
     num_fresh = min(n, pool.num_blocks - pool.next_fresh)
@@ -159,6 +170,26 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
         for _ in range(n - num_fresh):
             block = head
             head = nxt[block]
+            block_hash = hash_of[block]
+            # The busy-engine case, a sole holder of a hash evicted mid-list, in one log append.
+            if (
+                head != NULL_BLOCK
+                and block_hash is not None
+                and not dup
+                and index[block_hash] == block
+            ):
+                log += (
+                    *(NXT, block, head, PRV, head, block, REFS, block, 0),
+                    *(HASH_OF, block, block_hash, INDEX, block_hash, block),
+                )
+                nxt[block] = NULL_BLOCK
+                prv[head] = NULL_BLOCK
+                refs[block] = 1
+                hash_of[block] = None
+                del index[block_hash]
+                num_cached -= 1
+                taken.append(block)
+                continue
             if head == NULL_BLOCK:
                 tail = NULL_BLOCK
             else:
@@ -167,7 +198,6 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
                 prv[head] = NULL_BLOCK
             log += (REFS, block, 0)
             refs[block] = 1
-            block_hash = hash_of[block]
             if block_hash is not None:
                 log += (HASH_OF, block, block_hash)
                 hash_of[block] = None
@@ -178,6 +208,7 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
                     log += (INDEX, block_hash, block)
                     del index[block_hash]
             taken.append(block)
+        _register(tx, taken, block_hashes)
     except BaseException:
         tx.abort()
         raise
@@ -188,7 +219,7 @@ def take_free_blocks(pool: BlockPool, n: int) -> tuple[BlockPool, tuple[int, ...
         head,
         tail,
         pool.num_free - n,
-        num_cached,
+        num_cached + len(block_hashes),
         tx.commit(),
     )
     return new_pool, tuple(taken)
@@ -255,12 +286,12 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
                 _check_id(pool, block)
             count = refs[block]
             if count == 1:
-                log += (REFS, block, 1)
                 refs[block] = 0
                 if tail == NULL_BLOCK:
+                    log += (REFS, block, 1)
                     head = block
                 else:
-                    log += (NXT, tail, NULL_BLOCK, PRV, block, NULL_BLOCK)
+                    log += (REFS, block, 1, NXT, tail, NULL_BLOCK, PRV, block, NULL_BLOCK)
                     nxt[tail] = block
                     prv[block] = tail
                 tail = block
@@ -299,39 +330,19 @@ def cache_blocks(
         raise BlockPoolError(
             f"cache_blocks: {len(block_ids)} block ids but {len(block_hashes)} hashes"
         )
-    num_cached, limit = pool.num_cached, pool.num_blocks
+    _check_hashes(block_hashes)
+    limit = pool.num_blocks
+    refs, _, _, hash_of, _, _ = vs.read(pool.data)
+    for block in block_ids:
+        if type(block) is not int or not NULL_BLOCK < block < limit or not refs[block]:
+            _check_id(pool, block)
+            raise BlockPoolError(f"set_block_hash: block {block} is free; only held blocks fill")
+        if hash_of[block] is not None:
+            raise BlockPoolError(f"set_block_hash: block {block} already has a hash")
+    if len(set(block_ids)) != len(block_ids):
+        raise BlockPoolError(f"cache_blocks: repeated block ids {tuple(block_ids)}")
     tx = vs.Transaction(pool.data)
-    refs, _, _, hash_of, index, dup = tx.tables
-    log = tx.log
-    absent = vs.ABSENT
-    try:
-        for block, block_hash in zip(block_ids, block_hashes, strict=True):
-            if type(block) is not int or not NULL_BLOCK < block < limit or not refs[block]:
-                _check_id(pool, block)
-                raise BlockPoolError(
-                    f"set_block_hash: block {block} is free; only held blocks fill"
-                )
-            if type(block_hash) is not bytes or len(block_hash) != HASH_NBYTES:
-                raise BlockPoolError(
-                    f"block hash {block_hash!r}: expected {HASH_NBYTES} bytes (a sha256 digest)"
-                )
-            if hash_of[block] is not None:
-                raise BlockPoolError(f"set_block_hash: block {block} already has a hash")
-            log += (HASH_OF, block, None)
-            hash_of[block] = block_hash
-            num_cached += 1
-            first = index.get(block_hash)
-            if first is None:
-                log += (INDEX, block_hash, absent)
-                index[block_hash] = block
-                continue
-            later = dup.get(first)
-            if later is not None:
-                tx.set(DUP, block, later)
-            tx.set(DUP, first, block)
-    except BaseException:
-        tx.abort()
-        raise
+    _register(tx, block_ids, block_hashes)
     return BlockPool(
         pool.num_blocks,
         pool.block_size,
@@ -339,12 +350,40 @@ def cache_blocks(
         pool.head,
         pool.tail,
         pool.num_free,
-        num_cached,
+        pool.num_cached + len(block_hashes),
         tx.commit(),
     )
 
 
 # ---------------------------------------------------------------- internals
+
+
+def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
+    for block_hash in block_hashes:
+        if type(block_hash) is not bytes or len(block_hash) != HASH_NBYTES:
+            raise BlockPoolError(
+                f"block hash {block_hash!r}: expected {HASH_NBYTES} bytes (a sha256 digest)"
+            )
+
+
+def _register(tx: vs.Transaction, blocks: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+    """Give held, unhashed blocks their hashes (zip stops at the shorter of the two)."""
+    _, _, _, hash_of, index, dup = tx.tables
+    log = tx.log
+    absent = vs.ABSENT
+    for block, block_hash in zip(blocks, block_hashes, strict=False):
+        first = index.get(block_hash)
+        if first is None:
+            log += (HASH_OF, block, None, INDEX, block_hash, absent)
+            hash_of[block] = block_hash
+            index[block_hash] = block
+            continue
+        log += (HASH_OF, block, None)
+        hash_of[block] = block_hash
+        later = dup.get(first)
+        if later is not None:
+            tx.set(DUP, block, later)
+        tx.set(DUP, first, block)
 
 
 def _drop_shared_hash(tx: vs.Transaction, block: int, block_hash: BlockHash) -> None:

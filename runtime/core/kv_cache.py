@@ -183,17 +183,21 @@ def allocate_slots(
 
     if cached_blocks:
         pool = bp.touch(pool, cached_blocks)
-    pool, new_blocks = bp.take_free_blocks(pool, num_new_blocks)
+    num_cached = len(cached_blocks) if cached_blocks else state.num_cached.get(request_id, 0)
+    num_full = num_cached
+    if state.enable_prefix_caching and block_hashes:
+        num_full = max(num_cached, min(filled // block_size, len(block_hashes)))
+    # Full blocks already held are registered here; full new ones as they are taken.
+    num_held = len(table)
+    if num_full > num_cached and num_held > num_cached:
+        upto = min(num_full, num_held)
+        pool = bp.cache_blocks(pool, table[num_cached:upto], block_hashes[num_cached:upto])
+    pool, new_blocks = bp.take_free_blocks(
+        pool, num_new_blocks, block_hashes[max(num_held, num_cached) : num_full]
+    )
     if new_blocks:
         table = table + new_blocks
-    num_cached = len(cached_blocks) if cached_blocks else state.num_cached.get(request_id, 0)
-    if state.enable_prefix_caching and block_hashes:
-        num_full = min(filled // block_size, len(block_hashes), len(table))
-        if num_full > num_cached:
-            pool = bp.cache_blocks(
-                pool, table[num_cached:num_full], block_hashes[num_cached:num_full]
-            )
-            num_cached = num_full
+    num_cached = num_full
     tables, cached_counts = state.tables, state.num_cached
     if tables.get(request_id) is not table:
         tables = tables.set(request_id, table)

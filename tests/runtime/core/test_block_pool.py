@@ -119,6 +119,9 @@ def test_cached_run_stops_at_the_first_miss_and_the_limit():
         (lambda p: bp.set_block_hash(p, 3, h("free")), "is free"),
         (lambda p: bp.set_block_hash(p, 2, h("again")), "already has a hash"),
         (lambda p: bp.cache_blocks(p, (1,), ()), "1 block ids but 0 hashes"),
+        (lambda p: bp.cache_blocks(p, (1, 1), (h("a"), h("b"))), "repeated block ids"),
+        (lambda p: bp.take_free_blocks(p, 1, (h("a"), h("b"))), "2 hashes for 1 blocks"),
+        (lambda p: bp.take_free_blocks(p, 2, (h("a"), b"short")), "32 bytes"),
     ],
 )
 def test_misuse_raises_and_leaves_the_pool_as_it_was(action, message):
@@ -155,3 +158,20 @@ def test_old_pools_are_unchanged_by_later_transitions():
     assert bp.lookup_cached(pool4, h("a")) is None
     assert bp.lookup_cached(pool3, h("a")) == blocks[0]
     assert snapshot(pool0) == shots[0]
+
+
+def test_taking_blocks_with_hashes_registers_them_like_cache_blocks():
+    """The fused path (evict, hand out, register) leaves the same pool as take, then cache."""
+    pool = bp.make_block_pool(6, 2)
+    pool, first = bp.take_free_blocks(pool, 5)
+    pool = bp.cache_blocks(pool, first, tuple(h(f"old{i}") for i in range(5)))
+    pool = bp.release(pool, reversed(first))
+    hashes = (h("x"), h("y"), h("old3"))
+    fused, taken = bp.take_free_blocks(pool, 4, hashes)
+    split, again = bp.take_free_blocks(pool, 4)
+    split = bp.cache_blocks(split, again[:3], hashes)
+    assert taken == again
+    assert snapshot(fused) == snapshot(split)
+    assert bp.lookup_cached(fused, h("old3")) == taken[2]
+    assert bp.lookup_cached(fused, h("old0")) == bp.lookup_cached(split, h("old0"))
+    assert bp.num_cached_blocks(fused) == bp.num_cached_blocks(split)
