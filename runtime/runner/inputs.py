@@ -45,6 +45,20 @@ def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def half_step_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two times lo with a 1.5x step between each pair: lo, 1.5lo, 2lo, 3lo, 4lo, ...
+
+    Padding waste is at most a third instead of a half, for twice the shapes.
+    """
+    out = []
+    for b in power_of_two_buckets(lo, hi):
+        out.append(b)
+        half = b + b // 2
+        if b // 2 and half < hi and b % 2 == 0:
+            out.append(half)
+    return tuple(out)
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -81,11 +95,16 @@ class BatchBuilder:
         self.seq_buckets = power_of_two_buckets(min(8, max_num_seqs), max_num_seqs)
         # The table width bounds the context every sequence gathers; bucketing it to the batch's
         # longest context (at least MIN_CONTEXT_BUCKET tokens) keeps short-context steps from
-        # paying for max_model_len.
+        # paying for max_model_len. Half steps here: the paged-attention gather of every sequence's
+        # context dominates a decode step on the CPU (64 x 768-token contexts: 3/4 of the 1024 bucket).
         first = min(-(-MIN_CONTEXT_BUCKET // block_size), self.max_blocks_per_seq)
         self.block_buckets = tuple(
-            min(b, self.max_blocks_per_seq)
-            for b in power_of_two_buckets(first, self.max_blocks_per_seq)
+            sorted(
+                {
+                    min(b, self.max_blocks_per_seq)
+                    for b in half_step_buckets(first, self.max_blocks_per_seq)
+                }
+            )
         )
         self._seen_shapes: set[tuple[int, int, int]] = set()
 

@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 
-from runtime.runner.inputs import BatchBuilder, RequestRow, bucket, power_of_two_buckets
+from runtime.runner.inputs import (
+    BatchBuilder,
+    RequestRow,
+    bucket,
+    half_step_buckets,
+    power_of_two_buckets,
+)
 
 
 def test_buckets_cover_the_limit():
@@ -10,6 +16,19 @@ def test_buckets_cover_the_limit():
     assert bucket(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
         bucket(33, (16, 32))
+
+
+def test_context_buckets_take_half_steps_and_end_at_the_table_width():
+    assert half_step_buckets(16, 64) == (16, 24, 32, 48, 64)
+    assert half_step_buckets(3, 20) == (3, 6, 9, 12, 18, 24)
+    assert half_step_buckets(1, 1) == (1,)
+    bb = BatchBuilder(block_size=16, max_model_len=1000, max_num_seqs=8, max_num_batched_tokens=64)
+    # 1000 tokens are 63 blocks: the last bucket is the table width, not the next power of two.
+    assert bb.block_buckets == (16, 24, 32, 48, 63)
+    # Every width up to the limit lands in a bucket wasting at most a third of it.
+    for blocks in range(17, 64):
+        padded = bucket(blocks, bb.block_buckets)
+        assert blocks <= padded < 1.5 * blocks or padded == 63
 
 
 def test_mixed_prefill_chunk_and_decode_layout():
