@@ -221,8 +221,35 @@ def kda_prefill(
     )  # fmt: skip
 
 
+def _row_sum(x, halving: bool):
+    """Sum over the last axis. With `halving` (interpret mode), by halving, so the order of the
+    adds does not depend on the tile's row count: XLA:CPU vectorises a plain `sum` differently
+    for 32, 64 or 128 rows, which broke the v-split's bit-exactness on AVX2 hosts. Triton has no
+    slice lowering; there each row's `tl.sum` tree is over K alone.
+    """
+    width = x.shape[-1]
+    if not halving or width & (width - 1):
+        return jnp.sum(x, axis=-1)
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
 def _decode_kernel(
-    idx_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_in_ref, o_ref, pool_ref, *, scale, l2norm_qk
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    b_ref,
+    pool_in_ref,
+    o_ref,
+    pool_ref,
+    *,
+    scale,
+    l2norm_qk,
+    halving,
 ):
     slot = idx_ref[pl.program_id(0)]
     live = slot >= 0
@@ -232,9 +259,9 @@ def _decode_kernel(
     if l2norm_qk:
         q, k = _l2norm(q), _l2norm(k)
     s = pool_in_ref[at].astype(jnp.float32) * jnp.exp(g_ref[...].astype(jnp.float32))[None, :]
-    u = v_ref[...].astype(jnp.float32) - jnp.sum(s * k, axis=1)
+    u = v_ref[...].astype(jnp.float32) - _row_sum(s * k, halving)
     s = s + (b_ref[...].astype(jnp.float32) * u)[:, None] * k
-    o = jnp.sum(s * (q * scale), axis=1)
+    o = _row_sum(s * (q * scale), halving)
     o_ref[...] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
 
     @pl.when(live)
@@ -252,7 +279,9 @@ def _decode_call(q, k, v, g, beta, pool, idx, *, scale, l2norm_qk, v_split, inte
     grp = hv // h
     slots = pool.shape[0]
     sq = pl.squeezed
-    kernel = functools.partial(_decode_kernel, scale=scale, l2norm_qk=l2norm_qk)
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, l2norm_qk=l2norm_qk, halving=bool(interpret)
+    )
     pool_spec = pl.BlockSpec((slots, sq, vs, kd), lambda i, j, s: (0, j, s, 0))
     return pl.pallas_call(
         kernel,
