@@ -187,14 +187,13 @@ def allocate_slots(
     num_full = num_cached
     if state.enable_prefix_caching and block_hashes:
         num_full = max(num_cached, min(filled // block_size, len(block_hashes)))
-    # Full blocks already held are registered here; full new ones as they are taken.
+    # Full blocks already held are registered here (num_cached <= len(table) always); full new
+    # ones as they are taken.
     num_held = len(table)
-    if num_full > num_cached and num_held > num_cached:
-        upto = min(num_full, num_held)
+    upto = min(num_full, num_held)
+    if upto > num_cached:
         pool = bp.cache_blocks(pool, table[num_cached:upto], block_hashes[num_cached:upto])
-    pool, new_blocks = bp.take_free_blocks(
-        pool, num_new_blocks, block_hashes[max(num_held, num_cached) : num_full]
-    )
+    pool, new_blocks = bp.take_free_blocks(pool, num_new_blocks, block_hashes[num_held:num_full])
     if new_blocks:
         table = table + new_blocks
     num_cached = num_full

@@ -54,7 +54,7 @@ def half_step_buckets(lo: int, hi: int) -> tuple[int, ...]:
     for b in power_of_two_buckets(lo, hi):
         out.append(b)
         half = b + b // 2
-        if b // 2 and half < hi and b % 2 == 0:
+        if b % 2 == 0 and half < hi:
             out.append(half)
     return tuple(out)
 
@@ -99,12 +99,8 @@ class BatchBuilder:
         # context dominates a decode step on the CPU (64 x 768-token contexts: 3/4 of the 1024 bucket).
         first = min(-(-MIN_CONTEXT_BUCKET // block_size), self.max_blocks_per_seq)
         self.block_buckets = tuple(
-            sorted(
-                {
-                    min(b, self.max_blocks_per_seq)
-                    for b in half_step_buckets(first, self.max_blocks_per_seq)
-                }
-            )
+            min(b, self.max_blocks_per_seq)
+            for b in half_step_buckets(first, self.max_blocks_per_seq)
         )
         self._seen_shapes: set[tuple[int, int, int]] = set()
 
