@@ -16,6 +16,8 @@ import immutables
 
 from model import registry
 
+# The dtypes vlax serves a model in: the one list (EngineConfig and `vlax generate --dtype` take
+# "auto", meaning the checkpoint's own, or one of these).
 DTYPES = ("float32", "bfloat16", "float16")
 RUNNER_TYPES = ("generate", "pooling")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")

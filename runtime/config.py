@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("auto", "float32", "bfloat16")
+from model.config import DTYPES
+
+_DTYPES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
 _ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 _OFFLOAD = (None, "host", "mooncake")
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import fields, replace
 
 from tqdm.auto import tqdm
 
@@ -13,6 +14,7 @@ from runtime.config import EngineConfig
 from runtime.core.outputs import LogprobsEntry
 from runtime.core.request import SamplingParams
 from runtime.engine import Engine, TrackedRequest
+from vlax import arguments
 from vlax.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 Prompt = str | Mapping[str, object]
@@ -22,10 +24,12 @@ class LLM:
     """An engine over one checkpoint. `model=None` uses the embedded default checkpoint."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        arguments.check_keywords("LLM()", engine_args, _accepted_keywords())
         if model is None:
             from vlax.default_model import default_model_path
 
             model = str(default_model_path())
+        model = arguments.checkpoint_dir(model)
         self.engine = Engine(EngineConfig(model=str(model), **engine_args), record=True)
         self._ids = itertools.count()
 
@@ -53,20 +57,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        return list(self.generate_iter(prompts, sampling_params, use_tqdm))
+
+    def generate_iter(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[RequestOutput]:
+        """`generate`, one prompt at a time: yields each prompt's RequestOutput in input order as
+        soon as it and every prompt before it have finished, so a caller can print or save while
+        later prompts still run. Stopping early (a break, an exception) aborts the rest."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
-                    "pass one, or one per prompt"
-                )
+        params_list = arguments.per_prompt_params(sampling_params, len(prompts))
         groups = []  # (request id, prompt text, prompt ids, child ids)
         for prompt, params in zip(prompts, params_list, strict=True):
             text, ids = self._prompt_ids(prompt)
@@ -81,8 +86,7 @@ class LLM:
                 self.engine.add_request(cid, ids, child_params, prompt=text)
                 children.append(cid)
             groups.append((rid, text, ids, children))
-        self._run(sum(len(g[3]) for g in groups), use_tqdm)
-        return [self._request_output(*g) for g in groups]
+        yield from self._in_order(groups, use_tqdm)
 
     def chat(
         self,
@@ -100,7 +104,30 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
+    def _in_order(self, groups, use_tqdm: bool) -> Iterator[RequestOutput]:
+        unfinished = {c for g in groups for c in g[3]}
+        done = 0  # groups yielded so far
+        try:
+            for finished in self._steps(len(unfinished), use_tqdm):
+                unfinished.difference_update(t.request_id for t in finished)
+                while done < len(groups) and unfinished.isdisjoint(groups[done][3]):
+                    out = self._request_output(*groups[done])
+                    done += 1
+                    yield out
+            while done < len(groups):  # the engine ran dry: what is left ended without a step
+                out = self._request_output(*groups[done])
+                done += 1
+                yield out
+        except BaseException:
+            # The caller stopped early: the rest must not run on into the next call.
+            left = [c for g in groups[done:] for c in g[3]]
+            self.engine.abort(left)
+            for c in left:
+                self.engine.tracked.pop(c, None)
+            raise
+
+    def _steps(self, total: int, use_tqdm: bool) -> Iterator[list[TrackedRequest]]:
+        """Steps the engine until it is idle, yielding the requests each step finished."""
         engine = self.engine
         bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm)
         start, first = time.perf_counter(), engine.num_generated_tokens
@@ -112,6 +139,7 @@ class LLM:
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     rate = (engine.num_generated_tokens - first) / elapsed
                     bar.set_postfix_str(f"output {rate:.1f} tok/s")
+                    yield finished
 
     def _request_output(self, rid, text, ids, children) -> RequestOutput:
         tracked = [self.engine.tracked.pop(c) for c in children]
@@ -165,3 +193,13 @@ def _prompt_logprobs(t: TrackedRequest, tokenizer) -> list[PositionLogprobs | No
     if t.params.prompt_logprobs is None:
         return None
     return [None] + [p for e in t.prompt_logprobs for p in _positions(e, tokenizer)]
+
+
+def _accepted_keywords() -> list[str]:
+    """Every keyword `LLM()` takes: its own and EngineConfig's knobs."""
+    own = [
+        p.name
+        for p in inspect.signature(LLM.__init__).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("self", "model")
+    ]
+    return own + [f.name for f in fields(EngineConfig) if f.name != "model"]
