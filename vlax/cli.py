@@ -1,4 +1,8 @@
-"""The `vlax` command line: `vlax generate ...`."""
+"""The `vlax` command line: `vlax generate ...`.
+
+Every argument is checked before JAX is imported (the import alone takes seconds), so a typo costs a
+fraction of a second. Every bad argument or input exits with status 2, argparse's convention.
+"""
 
 from __future__ import annotations
 
@@ -8,76 +12,203 @@ import sys
 import time
 from pathlib import Path
 
+from model.config import DTYPES
+from runtime.config import EngineConfig
 from runtime.core.request import SamplingParams
+from vlax import arguments, logs
+
+_GENERATE_EPILOG = """\
+output:
+  Without --output, one line per completion on stdout:
+      [prompt 0] 'Hello' -> ' world, and'
+  Prompts count from 0 in the order given: the --prompt flags first, then the --prompts file.
+  With --n above 1 each sample has its own line: [prompt 0, sample 1] ...
+  Lines come in that order, each as soon as its prompt and every one before it have finished.
+  With --output the completions go to the file instead, one JSON object a line, in the same order.
+  The throughput summary goes to stderr, with the attention backend chosen when -v is given.
+
+exit status: 0 done; 2 a bad argument or input, and nothing is generated (flags and files are
+  checked before the engine starts).
+"""
 
 
-def _read_prompts(path: Path) -> list:
-    if not path.is_file():
-        raise SystemExit(f"vlax: --prompts {path}: no such file")
-    if path.suffix == ".jsonl":
-        prompts = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"vlax: {path}:{n}: not valid JSON ({e})") from None
-            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & item.keys()):
-                raise SystemExit(
-                    f"vlax: {path}:{n}: expected an object with 'prompt' or 'prompt_token_ids'"
-                )
-            prompts.append(item)
-        return prompts
-    return [line for line in path.read_text().splitlines() if line.strip()]
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlax", description="vlax: offline LLM inference")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for prompts")
-    g.add_argument(
-        "--model", help="HF checkpoint folder (default: the embedded random-weight model)"
+    g = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions for prompts, as vLLM's LLM.generate does.",
+        epilog=_GENERATE_EPILOG,
+        formatter_class=_HelpFormatter,
     )
-    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    g.add_argument("--prompts", type=Path, help=".txt (one prompt a line) or .jsonl file")
-    g.add_argument("--output", type=Path, help="write one JSON object per prompt to this .jsonl")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--num-kv-blocks", type=int)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "pallas", "reference"))
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
+    g.add_argument(
+        "--model",
+        help="a local Hugging Face checkpoint folder (default: the embedded model, random weights: "
+        "its text is gibberish, but it runs the whole engine; nothing is downloaded)",
+    )
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for more)")
+    g.add_argument(
+        "--prompts",
+        type=Path,
+        help="a .txt file (one prompt a line) or .jsonl (objects with 'prompt' or "
+        "'prompt_token_ids')",
+    )
+    g.add_argument(
+        "--output", type=Path, help="write one JSON object per completion to this .jsonl file"
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="dtype of weights and activations; auto: the checkpoint's own",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        help="most tokens (prompt + output) per request (default: the checkpoint's "
+        "max_position_embeddings)",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="most tokens in one step (default: 2048; without chunked prefill, at least "
+        "--max-model-len)",
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="KV cache size in blocks (default: room for --max-num-seqs requests of "
+        "--max-model-len tokens, within a memory budget)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "pallas", "reference"),
+        help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute shared prompt prefixes instead of reusing their KV cache",
+    )
+    g.add_argument(
+        "--no-chunked-prefill", action="store_true", help="prefill each prompt in a single step"
+    )
+    g.add_argument("--seed", type=int, default=0, help="engine seed, for prompts without a seed")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log INFO lines on stderr: the attention backend chosen and why, batch shapes",
+    )
     s = g.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--min-tokens", type=int, default=0)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
-    s.add_argument("--sample-seed", type=int, help="per-request seed")
-    s.add_argument("--n", type=int, default=1)
-    s.add_argument("--stop", action="append", default=[])
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--logprobs", type=int)
-    g.add_argument("--no-progress", action="store_true")
+    s.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion")
+    s.add_argument(
+        "--min-tokens", type=int, default=0, help="tokens before EOS or a stop may end a completion"
+    )
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 means greedy (always the most likely token); higher values sample more freely",
+    )
+    s.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the most likely tokens whose probabilities add up to P; 1 keeps all",
+    )
+    s.add_argument(
+        "--top-k", type=int, default=0, help="sample from the K most likely tokens; 0 keeps all"
+    )
+    s.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than MIN_P times the most likely one; 0 keeps all",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: lowers the logits of tokens already generated; 0 is off",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: lowers logits by how often each token was generated; 0 is off",
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="above 1 discourages tokens already in the prompt or output; 1 is off",
+    )
+    s.add_argument(
+        "--sample-seed",
+        type=int,
+        help="seed for each prompt's sampling: the same completions in any batch "
+        "(default: drawn from --seed)",
+    )
+    s.add_argument("--n", type=int, default=1, help="completions per prompt")
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a string that ends a completion, left out of its text (repeat for more)",
+    )
+    s.add_argument(
+        "--ignore-eos", action="store_true", help="keep going past EOS, up to --max-tokens"
+    )
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        help="keep the top LOGPROBS log-probabilities of each output token (in --output)",
+    )
     return ap
 
 
-def generate(args) -> int:
-    from vlax import LLM
+def _read_prompts(path: Path) -> list:
+    if not path.is_file():
+        raise ValueError(f"--prompts {path}: no such file")
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--prompts {path}: {e.strerror}") from None
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            if not isinstance(item, dict) or not ({"prompt", "prompt_token_ids"} & item.keys()):
+                raise ValueError(
+                    f"{path}:{n}: expected an object with 'prompt' or 'prompt_token_ids'"
+                )
+            prompts.append(item)
+        return prompts
+    return [line for line in lines if line.strip()]
 
-    prompts = list(args.prompt) + (_read_prompts(args.prompts) if args.prompts else [])
-    if not prompts:
-        raise SystemExit("vlax generate: give at least one --prompt or a --prompts file")
-    params = SamplingParams(
+
+def _sampling_params(args) -> SamplingParams:
+    return SamplingParams(
         n=args.n,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -93,15 +224,10 @@ def generate(args) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    if args.model is None:
-        print(
-            "vlax: no --model given: using the embedded default checkpoint (RANDOM weights, "
-            "so the text is gibberish; it shows the engine works).",
-            file=sys.stderr,
-        )
-    t0 = time.perf_counter()
-    llm = LLM(
-        args.model,
+
+
+def _engine_args(args) -> dict:
+    return dict(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -113,36 +239,89 @@ def generate(args) -> int:
         enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
     )
+
+
+def _label(prompt_index: int, sample_index: int, n: int) -> str:
+    return (
+        f"[prompt {prompt_index}]" if n == 1 else f"[prompt {prompt_index}, sample {sample_index}]"
+    )
+
+
+def _row(out, c) -> dict:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = [
+            [
+                {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+                for t, lp in position.items()
+            ]
+            for position in c.logprobs
+        ]
+    return {
+        "request_id": out.request_id,
+        "index": c.index,
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+        "cumulative_logprob": c.cumulative_logprob,
+        "logprobs": logprobs,
+    }
+
+
+def generate(args) -> int:
+    # Everything a user typed is checked here, before the import of vlax.llm brings in JAX.
+    prompts = list(args.prompt) + (_read_prompts(args.prompts) if args.prompts else [])
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompts file")
+    params = _sampling_params(args)
+    engine_args = _engine_args(args)
+    EngineConfig(model=args.model or "", **engine_args)
+    if args.model is not None:
+        arguments.checkpoint_dir(args.model)
+    if args.output is not None and not args.output.parent.is_dir():
+        raise ValueError(f"--output {args.output}: folder {args.output.parent} does not exist")
+
+    from tqdm.auto import tqdm
+
+    from vlax.llm import LLM
+
+    if args.model is None:
+        print(
+            "vlax: no --model given: using the embedded default checkpoint (RANDOM weights, "
+            "so the text is gibberish; it shows the engine works).",
+            file=sys.stderr,
+        )
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_args)
     t1 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    sink = None if args.output is None else args.output.open("w")
+    n_prompt = n_out = n_done = 0
+    try:
+        outputs = llm.generate_iter(prompts, params, use_tqdm=not args.no_progress)
+        for i, out in enumerate(outputs):
+            n_done += 1
+            n_prompt += len(out.prompt_token_ids)
+            for c in out.outputs:
+                n_out += len(c.token_ids)
+                if sink is not None:
+                    sink.write(json.dumps(_row(out, c)) + "\n")
+                    continue
+                shown = repr(out.prompt) if out.prompt is not None else out.prompt_token_ids
+                # tqdm.write keeps the progress bar (on stderr) below the printed lines.
+                tqdm.write(f"{_label(i, c.index, args.n)} {shown} -> {c.text!r}", file=sys.stdout)
+                sys.stdout.flush()
+            if sink is not None:
+                sink.flush()
+    finally:
+        if sink is not None:
+            sink.close()
     t2 = time.perf_counter()
-    rows = []
-    for out in outs:
-        for c in out.outputs:
-            rows.append(
-                {
-                    "request_id": out.request_id,
-                    "index": c.index,
-                    "prompt": out.prompt,
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "text": c.text,
-                    "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason,
-                    "cumulative_logprob": c.cumulative_logprob,
-                }
-            )
-    if args.output:
-        with args.output.open("w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    else:
-        for r in rows:
-            print(f"[{r['request_id']}.{r['index']}] {r['prompt']!r} -> {r['text']!r}")
-    n_prompt = sum(len(o.prompt_token_ids) for o in outs)
-    n_out = sum(len(r["token_ids"]) for r in rows)
     gen_s = max(t2 - t1, 1e-9)
+    prompts_done = f"{n_done} prompt" + ("" if n_done == 1 else "s")
     print(
-        f"vlax: {len(outs)} prompts, {n_prompt} prompt tokens, {n_out} output tokens in "
+        f"vlax: {prompts_done}, {n_prompt} prompt tokens, {n_out} output tokens in "
         f"{gen_s:.2f} s ({n_out / gen_s:.1f} output tok/s, {(n_prompt + n_out) / gen_s:.1f} total "
         f"tok/s); engine start-up {t1 - t0:.2f} s",
         file=sys.stderr,
@@ -151,7 +330,9 @@ def generate(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # exits with status 2 on a malformed command line
+    if args.verbose:
+        logs.set_level("INFO")
     if args.command == "generate":
         try:
             return generate(args)
