@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model.config import DTYPES
+from runtime.offload.store import KVStore, check_store
 
 _DTYPES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
 _ATTENTION_BACKENDS = ("auto", "pallas", "reference")
@@ -36,7 +37,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     attention_backend: str = "auto"
-    kv_offload: str | None = None
+    # "host", "mooncake", or a store object implementing runtime/offload/store.py's KVStore.
+    kv_offload: str | KVStore | None = None
     kv_offload_bytes: int = 256 << 20
     mooncake_master: str | None = None
 
@@ -68,8 +70,17 @@ class EngineConfig:
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
-        if self.kv_offload not in _OFFLOAD:
-            raise ConfigError(f"kv_offload must be one of {_OFFLOAD}, got {self.kv_offload!r}")
+        if isinstance(self.kv_offload, str) or self.kv_offload is None:
+            if self.kv_offload not in _OFFLOAD:
+                raise ConfigError(
+                    f"kv_offload must be one of {_OFFLOAD} or a KV store object, "
+                    f"got {self.kv_offload!r}"
+                )
+        else:
+            try:
+                check_store(self.kv_offload)
+            except TypeError as err:
+                raise ConfigError(str(err)) from None
         if self.kv_offload == "mooncake" and not self.mooncake_master:
             raise ConfigError("kv_offload='mooncake' needs mooncake_master='HOST:PORT'")
         _positive("kv_offload_bytes", self.kv_offload_bytes)

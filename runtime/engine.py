@@ -111,18 +111,8 @@ class Engine:
                 policy=config.scheduling_policy,
             )
         )
-        self.offloader = None
-        if config.kv_offload is not None:
-            from runtime.offload.offloader import KVOffloader, make_store
-
-            store = make_store(
-                config.kv_offload,
-                self.runner.kv_caches,
-                kv_offload_bytes=config.kv_offload_bytes,
-                mooncake_master=config.mooncake_master,
-                namespace=f"{mc.path}:{self.runner.kv_dtype}:{config.block_size}",
-            )
-            self.offloader = KVOffloader(store)
+        self.offloader = self._make_offloader(config)
+        if self.offloader is not None:
             self.state = enable_kv_jobs(self.state)
         self.record = record
         self.history: list[SchedulerOutput] = []
@@ -130,6 +120,31 @@ class Engine:
         self.tracked: dict[str, TrackedRequest] = {}
         self._arrival = itertools.count()
         self.num_generated_tokens = 0
+
+    def _make_offloader(self, config: EngineConfig):
+        """The KV offloader over the store `kv_offload` names (built here, closed with the
+        engine) or is (a KVStore object: checked against this engine's block size, left open)."""
+        if config.kv_offload is None:
+            return None
+        from runtime.offload.device_copy import block_nbytes
+        from runtime.offload.offloader import KVOffloader, make_store
+        from runtime.offload.store import check_store
+
+        if not isinstance(config.kv_offload, str):
+            nbytes = block_nbytes(self.runner.kv_caches)
+            try:
+                store = check_store(config.kv_offload, nbytes)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            return KVOffloader(store, owns_store=False)
+        store = make_store(
+            config.kv_offload,
+            self.runner.kv_caches,
+            kv_offload_bytes=config.kv_offload_bytes,
+            mooncake_master=config.mooncake_master,
+            namespace=f"{self.model_config.path}:{self.runner.kv_dtype}:{config.block_size}",
+        )
+        return KVOffloader(store)
 
     @staticmethod
     def _load_tokenizer(path: str) -> Tokenizer | None:
@@ -179,7 +194,7 @@ class Engine:
             priority=priority,
         )
         self.state = sched.add_request(self.state, request)
-        if self.offloader is not None and self.config.kv_offload == "mooncake":
+        if self.offloader is not None and self.offloader.store.shared:
             # A shared pool may hold prefixes other engines stored.
             hashes = self.state.requests[request_id].block_hashes
             found = self.offloader.stored_prefix(hashes)
@@ -196,11 +211,21 @@ class Engine:
             request_id, prompt, list(prompt_token_ids), params, detok
         )
 
-    def abort(self, request_ids) -> None:
-        request_ids = [r for r in request_ids if sched.has_request(self.state, r)]
+    def abort_request(self, request_ids) -> list[TrackedRequest]:
+        """Abort the unfinished requests among `request_ids` (running, waiting, preempted or
+        waiting for a KV load), as vLLM's `LLMEngine.abort_request`; ids that already finished or
+        were never added are passed over. Returns the aborted requests: their final outputs
+        (finish_reason ABORT), reported here and never again by `step`."""
+        request_ids = list(
+            dict.fromkeys(r for r in request_ids if sched.has_request(self.state, r))
+        )
         self.state = sched.abort_requests(self.state, request_ids)
+        aborted = []
         for rid in request_ids:
-            self.tracked[rid].finish_reason = FinishReason.ABORT
+            tracked = self.tracked[rid]
+            tracked.finish_reason, tracked.stop_reason = FinishReason.ABORT, None
+            aborted.append(tracked)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or KV jobs still pinning blocks (their completions arrive only

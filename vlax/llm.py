@@ -21,7 +21,13 @@ Prompt = str | Mapping[str, object]
 
 
 class LLM:
-    """An engine over one checkpoint. `model=None` uses the embedded default checkpoint."""
+    """An engine over one checkpoint. `model=None` uses the embedded default checkpoint.
+
+    `engine_args` are EngineConfig's knobs. `kv_offload` takes "host" (a shared-memory store of
+    `kv_offload_bytes`), "mooncake" (a client of the pool at `mooncake_master`), or a store object
+    that implements runtime/offload/store.py's `KVStore` (its docstring states the contract); the
+    engine closes the stores it builds, and leaves a store object open for its owner to close.
+    """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         arguments.check_keywords("LLM()", engine_args, _accepted_keywords())
@@ -121,7 +127,7 @@ class LLM:
         except BaseException:
             # The caller stopped early: the rest must not run on into the next call.
             left = [c for g in groups[done:] for c in g[3]]
-            self.engine.abort(left)
+            self.engine.abort_request(left)
             for c in left:
                 self.engine.tracked.pop(c, None)
             raise

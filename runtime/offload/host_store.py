@@ -3,18 +3,23 @@
 The region is a file in /dev/shm, created with O_EXCL, checked against the free space of its
 filesystem before anything is allocated, reserved whole with posix_fallocate (so a full /dev/shm
 fails here, not later as SIGBUS on a write), mapped, and unlinked at once: the mapping keeps the
-memory alive, and a crash leaves nothing behind in /dev/shm.
+memory alive, so a process that dies after that leaves nothing behind in /dev/shm.
+
+A process killed inside that window (the reservation of a large region takes a while) leaves its
+file. The file's name says whose it is (`shm_segments.py`), and every new HostStore first unlinks
+the segments of owners that are gone, logging each one.
 """
 
+import contextlib
 import mmap
 import os
-import secrets
 import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from runtime.core.block_pool import BlockHash
+from runtime.offload.shm_segments import new_segment_path, reclaim_stale_segments
 from runtime.offload.store import KVStore, PutResult, StoreError, check_keys, check_values
 
 __all__ = ["HostStore", "HostStoreCapacityError", "shm_free_bytes"]
@@ -29,6 +34,11 @@ def shm_free_bytes(directory: str) -> int:
 
 
 class HostStore(KVStore):
+    """One process's store: nobody else writes it, so the engine never asks it about prefixes
+    it did not store itself."""
+
+    shared = False
+
     def __init__(
         self,
         capacity_bytes: int,
@@ -133,7 +143,8 @@ class HostStore(KVStore):
 def _create_region(
     shm_dir: str, region_bytes: int, capacity_bytes: int, free_bytes: Callable[[str], int]
 ) -> mmap.mmap:
-    path = os.path.join(shm_dir, f"vlax-kv-{os.getpid()}-{secrets.token_hex(8)}")
+    reclaim_stale_segments(shm_dir)
+    path = new_segment_path(shm_dir)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:
@@ -152,7 +163,10 @@ def _create_region(
         return mmap.mmap(fd, region_bytes)
     finally:
         os.close(fd)
-        os.unlink(path)
+        # Already gone if a process that could not see us as alive (another pid namespace
+        # sharing this /dev/shm) reclaimed it; the mapping does not need the name.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _capacity_error(

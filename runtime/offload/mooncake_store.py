@@ -22,6 +22,9 @@ MIN_SEGMENT_BYTES = 16 << 20
 
 
 class MooncakeStore(KVStore):
+    # A pool other engines write too: the engine looks up each new request's prefix in it.
+    shared = True
+
     def __init__(
         self,
         master: str,

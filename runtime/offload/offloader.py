@@ -21,8 +21,10 @@ __all__ = ["KVOffloader", "make_store"]
 
 
 class KVOffloader:
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, *, owns_store: bool = True) -> None:
+        """`owns_store`: close the store with the offloader (False for a store the user made)."""
         self.store = store
+        self.owns_store = owns_store
         self._worker = OffloadWorker(store)
         # The latest failure messages, newest last, for logs and notebooks.
         self.errors: list[str] = []
@@ -58,13 +60,19 @@ class KVOffloader:
         """The leading run of block_hashes the store holds (for kv_jobs.note_stored)."""
         if not block_hashes:
             return ()
-        flags = self.store.exists(block_hashes)
+        try:
+            flags = tuple(self.store.exists(block_hashes))
+        except Exception as err:  # a store that cannot answer holds nothing we can count on
+            self.errors = [*self.errors[-63:], f"exists: {err!r}; nothing counted as stored"]
+            return ()
         run = next((i for i, ok in enumerate(flags) if not ok), len(flags))
+        run = min(run, len(block_hashes))
         return tuple(block_hashes[:run])
 
     def close(self) -> None:
         self._worker.close()
-        self.store.close()
+        if self.owns_store:
+            self.store.close()
 
     def _note(self, job: KVJob, message: str) -> None:
         self.errors = [*self.errors[-63:], f"{type(job).__name__} {job.job_id}: {message}"]

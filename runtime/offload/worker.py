@@ -96,9 +96,17 @@ class OffloadWorker:
             error = f"{missing} of {n} blocks were not stored" if missing else None
             return JobDone(job, result, error=error)
         values = self.store.get(job.block_hashes)
+        if len(values) != len(job.block_hashes):
+            error = f"the store answered {len(values)} values for {len(job.block_hashes)} keys"
+            return JobDone(job, KVJobResult(job.job_id, False), error=error)
         missing = sum(1 for v in values if v is None)
         if missing:
             error = f"{missing} of {len(values)} blocks are not in the store"
             return JobDone(job, KVJobResult(job.job_id, False), error=error)
-        rows = np.stack([np.frombuffer(v, dtype=np.uint8) for v in values])
+        rows = [np.frombuffer(v, dtype=np.uint8) for v in values]
+        sizes = {row.size for row in rows} - {self.store.block_nbytes}
+        if sizes:
+            error = f"the store gave values of {sorted(sizes)} bytes, not {self.store.block_nbytes}"
+            return JobDone(job, KVJobResult(job.job_id, False), error=error)
+        rows = np.stack(rows)
         return JobDone(job, KVJobResult(job.job_id, True), rows=rows)

@@ -7,17 +7,19 @@ never-computed token). A prefix hit always leaves one prompt token to compute, s
 serves at most (40 - 1) // 4 = 9 blocks = 36 tokens of a repeated prompt. The pool (23 usable
 blocks, 2 running requests of 11 blocks) keeps at most the last two prompts, and running the
 prompts again in order evicts each one before it comes round, so every repeat loads from the store.
+Stores other than "host" are passed as objects (`kv_offload=<store>`), never swapped in.
 """
 
 import numpy as np
 import pytest
 
 from model.testing import write_tiny_checkpoint
+from runtime.config import ConfigError
 from runtime.core.request import SamplingParams
 from runtime.offload.device_copy import block_nbytes
+from runtime.offload.fault_injection import FaultyStore
 from runtime.offload.host_store import HostStore
-from runtime.offload.offloader import KVOffloader
-from runtime.offload.store import StoreError
+from runtime.offload.store import PutResult, StoreError
 from vlax import LLM
 
 NUM_PROMPTS, PROMPT_LEN, BLOCK, MAX_TOKENS = 6, 40, 4, 4
@@ -41,9 +43,19 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def baseline(checkpoint, prompts):
-    llm = LLM(checkpoint, **ENGINE)
-    return tokens(llm, prompts)
+def plain(checkpoint):
+    """An engine without offload: the reference tokens, and the KV block size a store needs."""
+    return LLM(checkpoint, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def baseline(plain, prompts):
+    return tokens(plain, prompts)
+
+
+@pytest.fixture(scope="module")
+def nbytes(plain):
+    return block_nbytes(plain.engine.runner.kv_caches)
 
 
 class FailingGets(HostStore):
@@ -92,15 +104,15 @@ def test_second_pass_loads_prefixes_from_the_host_store(checkpoint, prompts, bas
         llm.engine.close()
 
 
-def test_a_store_failing_every_read_falls_back_to_recompute(checkpoint, prompts, baseline):
-    llm = LLM(checkpoint, **ENGINE, kv_offload="host", kv_offload_bytes=8 << 20)
-    engine = engine_with_store(llm, FailingGets)
+def test_a_store_failing_every_read_falls_back_to_recompute(checkpoint, prompts, baseline, nbytes):
+    store = FailingGets(8 << 20, nbytes)
+    llm = LLM(checkpoint, **ENGINE, kv_offload=store)
+    engine = llm.engine
     try:
         assert tokens(llm, prompts) == baseline
         first_step = len(engine.stats)
         assert tokens(llm, prompts) == baseline
         stats = engine.offload_stats
-        store = engine.offloader.store
         # Every repeat tried one load, which failed; its tokens were computed again instead.
         assert store.num_gets == NUM_PROMPTS
         assert stats.load_failures == NUM_PROMPTS
@@ -113,13 +125,101 @@ def test_a_store_failing_every_read_falls_back_to_recompute(checkpoint, prompts,
         assert not engine.has_unfinished_requests()
     finally:
         engine.close()
+    # The store was ours: the engine left it open, still holding what the engine stored.
+    assert store.exists(store_keys(llm, prompts[:1]))[0]
+    store.close()
 
 
-def engine_with_store(llm, store_class):
-    """Swap the engine's store for `store_class` (a HostStore) before any request arrives."""
-    engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine.stats
-    engine.offloader.close()
-    store = store_class(8 << 20, block_nbytes(engine.runner.kv_caches))
-    engine.offloader = KVOffloader(store)
-    return engine
+def test_a_wrapped_store_serves_the_engine_and_stays_open(checkpoint, prompts, baseline, nbytes):
+    """Any object with the KVStore members works: here a FaultyStore that injects nothing, around
+    a HostStore. The engine uses it as its own (loads on the second pass) but does not close it."""
+    host = HostStore(8 << 20, nbytes)
+    store = FaultyStore(host, read_fault_rate=0.0, write_fault_rate=0.0)
+    llm = LLM(checkpoint, **ENGINE, kv_offload=store)
+    try:
+        assert tokens(llm, prompts) == baseline
+        assert tokens(llm, prompts) == baseline
+        stats = llm.engine.offload_stats
+        assert stats.blocks_loaded == NUM_PROMPTS * HIT_BLOCKS
+        assert stats.blocks_stored == NUM_PROMPTS * FULL_BLOCKS
+        assert store.calls["put"] > 0 and store.calls["get"] == NUM_PROMPTS
+        assert store.num_injected == 0
+    finally:
+        llm.engine.close()
+    assert len(host) == NUM_PROMPTS * FULL_BLOCKS
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        host.get(store_keys(llm, prompts[:1]))
+
+
+class BlockCache:
+    """A dict of blocks that implements the KVStore members and nothing else (no base class)."""
+
+    shared = False
+
+    def __init__(self, block_nbytes):
+        self.block_nbytes = block_nbytes
+        self.blocks = {}
+
+    def exists(self, keys):
+        return tuple(k in self.blocks for k in keys)
+
+    def put(self, keys, values):
+        self.blocks.update((k, bytes(v)) for k, v in zip(keys, values, strict=True))
+        return PutResult(stored=(True,) * len(keys))
+
+    def get(self, keys):
+        return tuple(self.blocks.get(k) for k in keys)
+
+    def remove(self, keys):
+        return sum(self.blocks.pop(k, None) is not None for k in keys)
+
+    def close(self):
+        self.blocks.clear()
+
+
+def test_any_object_with_the_store_members_is_a_store(checkpoint, prompts, baseline, nbytes):
+    store = BlockCache(nbytes)
+    llm = LLM(checkpoint, **ENGINE, kv_offload=store)
+    try:
+        assert tokens(llm, prompts) == baseline
+        assert tokens(llm, prompts) == baseline
+        assert llm.engine.offload_stats.blocks_loaded == NUM_PROMPTS * HIT_BLOCKS
+        assert len(store.blocks) == NUM_PROMPTS * FULL_BLOCKS
+    finally:
+        llm.engine.close()
+
+
+class NoGets:
+    block_nbytes = 64
+
+    def exists(self, keys):
+        return ()
+
+    def put(self, keys, values):
+        return PutResult(stored=())
+
+
+def test_an_object_that_is_not_a_store_is_refused_by_name(checkpoint, nbytes):
+    with pytest.raises(ConfigError) as info:
+        LLM(checkpoint, **ENGINE, kv_offload=NoGets())
+    message = str(info.value)
+    assert "kv_offload=NoGets object does not implement the KV store protocol" in message
+    assert "no method get(); no method remove(); no method close()" in message
+    assert "shared=None is not a bool" in message
+    assert "no method put" not in message and "block_nbytes" in message
+    with pytest.raises(ConfigError, match="kv_offload must be one of .* or a KV store object"):
+        LLM(checkpoint, **ENGINE, kv_offload="disk")
+    wrong = BlockCache(nbytes // 2)
+    with pytest.raises(ConfigError) as info:
+        LLM(checkpoint, **ENGINE, kv_offload=wrong)
+    assert f"holds blocks of {nbytes // 2} bytes" in str(info.value)
+    assert f"create the store with block_nbytes={nbytes}" in str(info.value)
+
+
+def store_keys(llm, prompts):
+    """The block hashes of the prompts' first full blocks, as the engine keys them."""
+    from runtime.core.kv_cache import extend_block_hashes
+
+    block_size = llm.engine.config.block_size
+    return [extend_block_hashes((), p["prompt_token_ids"], block_size)[0] for p in prompts]
