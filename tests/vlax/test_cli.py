@@ -3,6 +3,7 @@ subprocess on the embedded default checkpoint."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,8 +45,9 @@ def test_help_shows_the_defaults_and_explains_the_output(capsys, monkeypatch):
         ("--n", 1),
         ("--seed", 0),
     ]:
-        line = next(line for line in text.splitlines() if line.strip().startswith(flag + " "))
-        assert line.endswith(f"(default: {default})"), line
+        # An option's block runs from its flag to the next option; long ones wrap once.
+        block = next(b for b in re.split(r"\n(?=  -)", text) if b.strip().startswith(flag + " "))
+        assert " ".join(block.split()).endswith(f"(default: {default})"), block
     assert "[prompt 0] 'Hello' -> " in text and "[prompt 0, sample 1]" in text
     assert "(default: None)" not in text and "(default: False)" not in text
 
