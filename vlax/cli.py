@@ -339,6 +339,9 @@ def main(argv=None) -> int:
         except (ValueError, TypeError) as e:
             print(f"vlax generate: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print("vlax generate: interrupted", file=sys.stderr)
+            return 130  # the shell's code for a SIGINT
     return 1
 
 
