@@ -54,9 +54,37 @@ def write_tiny_checkpoint(
     config_name, model_name, arch_defaults = _ARCHS[arch]
     config = getattr(transformers, config_name)(**{**TINY_COMMON, **arch_defaults, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(getattr(torch, dtype)).eval()
+    model = getattr(transformers, model_name)(config)
+    randomize_constant_parameters(model, seed)
+    model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(os.fspath(directory), safe_serialization=True)
     return os.fspath(directory)
+
+
+def randomize_constant_parameters(model, seed: int) -> list[str]:
+    """Give random values to every parameter HF initializes to one constant (norm weights at 1,
+    biases at 0), in place; returns their names.
+
+    With constant norm weights, swapping two norms (`input_layernorm` for
+    `post_attention_layernorm`, q_norm for k_norm) or dropping a norm's scale computes the same
+    function, and a parity test cannot see it; the same goes for a bias added twice or not at all.
+    Norm weights stay positive around 1 and biases small, so logits keep clear greedy gaps.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 7919)
+    changed = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().flatten()
+            if flat.numel() > 1 and not bool((flat == flat[0]).all()):
+                continue
+            noise = torch.rand(param.shape, generator=generator, dtype=torch.float32)
+            # norms uniform in [0.5, 1.5), biases uniform in [-0.1, 0.1)
+            value = 0.5 + noise if "norm" in name else 0.2 * (noise - 0.5)
+            param.copy_(value.to(param.dtype))
+            changed.append(name)
+    return changed
 
 
 def hf_load(path: str, dtype: str = "float32"):
