@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
         "-v",
         "--verbose",
         action="store_true",
-        help="log INFO lines on stderr: the attention backend chosen and why, batch shapes",
+        help="log INFO lines on stderr: the attention backend chosen and why, the KV cache size, "
+        "batch shapes",
     )
     s = g.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion")
