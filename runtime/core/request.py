@@ -8,7 +8,7 @@ because it runs for every request every step.
 import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.core.block_pool import BlockHash
 
@@ -70,6 +70,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, bias) pairs sorted by token id; a dict or Map is accepted and normalised.
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # Compute every prompt token even where the prefix cache holds it (the request still writes
+    # its blocks to the cache). None: only when prompt logprobs are asked for, as in vLLM (a hit
+    # would skip the positions whose logprobs must be returned). `Request` resolves it.
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         own = "SamplingParams"
@@ -112,6 +116,19 @@ class SamplingParams:
                 raise _bad(own, name, value, "an int >= 0 (number of top logprobs) or None")
         if self.logit_bias is not None:
             set_(self, "logit_bias", _normalise_bias(self.logit_bias))
+        skip = self.skip_reading_prefix_cache
+        if skip is not None and not isinstance(skip, bool):
+            raise _bad(own, "skip_reading_prefix_cache", skip, "a bool or None")
+        if skip is False and self.prompt_logprobs is not None:
+            # vLLM allows it and returns logprobs only for the positions it computed; vlax
+            # refuses rather than return fewer entries than prompt tokens.
+            raise _bad(
+                own,
+                "skip_reading_prefix_cache",
+                skip,
+                f"True or None with prompt_logprobs={self.prompt_logprobs} (every prompt "
+                "position must be computed to return its logprob)",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -207,6 +224,9 @@ class Request:
     block_hashes: tuple[BlockHash, ...] = ()
     stop_reason: int | str | None = None
     finish_reason: FinishReason | None = None
+    # Whether admission ignores prefix-cache hits and KV-store loads: decided once, from the
+    # sampling parameters (see SamplingParams.skip_reading_prefix_cache).
+    skip_reading_prefix_cache: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         own = f"Request({self.request_id!r})"
@@ -246,6 +266,9 @@ class Request:
         set_(self, "block_hashes", tuple(self.block_hashes))
         if self.finish_reason is not None and not isinstance(self.finish_reason, FinishReason):
             raise _bad(own, "finish_reason", self.finish_reason, "a FinishReason or None")
+        params = self.sampling_params
+        skip = params.skip_reading_prefix_cache
+        set_(self, "skip_reading_prefix_cache", params.prompt_logprobs is not None or bool(skip))
 
     @property
     def num_tokens(self) -> int:
@@ -328,4 +351,5 @@ def evolve(
     _set(out, "block_hashes", r.block_hashes if block_hashes is _KEEP else block_hashes)
     _set(out, "stop_reason", r.stop_reason if stop_reason is _KEEP else stop_reason)
     _set(out, "finish_reason", r.finish_reason if finish_reason is _KEEP else finish_reason)
+    _set(out, "skip_reading_prefix_cache", r.skip_reading_prefix_cache)
     return out

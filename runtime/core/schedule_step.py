@@ -225,7 +225,12 @@ def _schedule_waiting(step: _Step) -> None:
     ):
         request_id = waiting[position]
         request = step.get(request_id)
-        prefix = kvc.find_cached_prefix(step.kv, request)
+        # A request asking for prompt logprobs computes every prompt position (vLLM's
+        # skip_reading_prefix_cache); its full blocks are still cached as they fill.
+        if request.skip_reading_prefix_cache:
+            prefix = kvc.NO_PREFIX
+        else:
+            prefix = kvc.find_cached_prefix(step.kv, request)
         computed = prefix.num_tokens
         num_new = _num_new_tokens(step, request, computed)
         if not config.enable_chunked_prefill and num_new > step.token_budget:

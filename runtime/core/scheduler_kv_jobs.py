@@ -61,6 +61,8 @@ def plan_loads(state: SchedulerState) -> tuple[SchedulerState, tuple[LoadJob, ..
     kv, requests, loads, started = state.kv, state.requests, [], set()
     for request_id in state.waiting[: max(0, slots)]:
         request = requests[request_id]
+        if request.skip_reading_prefix_cache:
+            continue  # it reads nothing back: neither the local cache nor the store (as vLLM)
         hit = kvc.find_cached_prefix(kv, request)
         max_blocks = (request.num_tokens - 1) // block_size
         num_remote = kj.stored_run(jobs, request.block_hashes, len(hit.blocks), max_blocks)

@@ -29,6 +29,9 @@ class RequestRow:
     prompt_len: int
     sampling_params: object
     num_computed_tokens: int = 0
+    # Prompt positions whose logprobs were returned (position p: the logprob of token p + 1).
+    # A preempted request computes its prompt again; those positions are not returned twice.
+    num_prompt_logprobs_done: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -166,7 +166,10 @@ class ModelRunner:
         if not order:
             return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
         want_prompt = frozenset(
-            r for r in order if self.rows[r].sampling_params.prompt_logprobs is not None
+            r
+            for r in order
+            if self.rows[r].sampling_params.prompt_logprobs is not None
+            and self.rows[r].num_prompt_logprobs_done < self.rows[r].prompt_len - 1
         )
         hb = self.builder.build(
             self.rows, so.num_scheduled_tokens, order, want_prompt_logprobs=want_prompt
@@ -242,12 +245,22 @@ class ModelRunner:
         result = {}
         for rid, (start, n) in hb.prompt_logprob_rows.items():
             row = self.rows[rid]
-            first = row.num_computed_tokens  # prompt position of the chunk's first token
+            chunk = row.num_computed_tokens  # prompt position of the chunk's first token
+            done = row.num_prompt_logprobs_done
+            if chunk > done:
+                raise RuntimeError(
+                    f"request {rid!r}: computing from prompt position {chunk}, but the logprobs "
+                    f"of positions {done}..{chunk - 1} were never computed (a prefix-cache hit or "
+                    "KV load must not skip the prompt of a request asking for prompt logprobs)"
+                )
             # The logprob at position p is for token p + 1; the last prompt position predicts the
-            # first output token, which is not a prompt logprob.
-            n = min(n, row.prompt_len - 1 - first)
-            if n <= 0:
+            # first output token, which is not a prompt logprob. Positions before `done` were
+            # returned before a preemption.
+            end = min(chunk + n, row.prompt_len - 1)
+            if end <= done:
                 continue
+            row.num_prompt_logprobs_done = end
+            first, n, start = done, end - done, start + done - chunk
             k = logprobs_bucket(row.sampling_params.prompt_logprobs)
             next_ids = jnp.asarray(row.token_ids[first + 1 : first + 1 + n], jnp.int32)
             ids, vals, ranks = map(
