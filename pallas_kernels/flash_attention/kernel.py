@@ -2,7 +2,8 @@
 
 Grid (batch, q head, q block). Each program holds one [block_q, D] query tile and walks key tiles
 with an online softmax in f32; a causal walk stops at the diagonal. Sequence tails that are not a
-multiple of the block are handled with masked loads and stores on whole-sequence blocks.
+multiple of the block are handled with masked loads and stores on whole-sequence blocks. A key a
+row does not attend never changes it, whatever its K/V hold (masked_values.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.flash_attention.heuristics import block_sizes
+from pallas_kernels.masked_values import finite_values, poison_rows
 from pallas_kernels.platform import triton_params
 
 
@@ -63,6 +65,8 @@ def _kernel(
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.where(mask, jnp.exp(s - m_use[:, None]), 0.0)
+        # p is 0 for a masked key but 0 * NaN is not: see masked_values.py.
+        v, v_bad = finite_values(v)
         pv = lax.dot_general(
             p.astype(v.dtype),
             v,
@@ -70,6 +74,7 @@ def _kernel(
             precision=precision,
             preferred_element_type=jnp.float32,
         )
+        pv = poison_rows(pv, mask, v_bad)
         return acc * alpha[:, None] + pv, m_new, l_prev * alpha + jnp.sum(p, axis=1)
 
     n_k = pl.cdiv(s_len, block_k)

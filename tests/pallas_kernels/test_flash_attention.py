@@ -127,3 +127,72 @@ def test_bad_shapes_raise_clear_errors():
         )
     with pytest.raises(ValueError, match=r"segment_ids \(1, 7\)"):
         flash_attention(q, q, q, causal=False, sm_scale=1.0, segment_ids=jnp.zeros((1, 7)))
+
+
+def _segment_layout(b, s, pad):
+    """Three segments of roughly equal length per row, then `pad` padding tokens (id 0)."""
+    seg = np.zeros((b, s), np.int32)
+    n = s - pad
+    for i in range(3):
+        seg[:, i * n // 3 : (i + 1) * n // 3] = i + 1
+    return seg
+
+
+def _poison(q, k, v, seg, *, causal):
+    """NaN and inf in the K/V of segment 2 and in every padding token's q/k/v; with `causal`, also
+    in the last token of segment 3. Returns the poisoned copies and bool[B, S]: the rows whose
+    attended keys are all clean, which must come out exactly as in the clean run."""
+    q, k, v = q.copy(), k.copy(), v.copy()
+    in_two = seg == 2
+    k[in_two] = np.nan
+    v[in_two] = np.where(np.arange(v.shape[-1]) % 2, np.inf, -np.inf)
+    k[seg == 0], v[seg == 0], q[seg == 0] = np.nan, np.inf, np.nan
+    clean = (seg != 2) & (seg != 0)
+    if causal:
+        for bi in range(seg.shape[0]):
+            last = np.flatnonzero(seg[bi] == 3)[-1]
+            k[bi, last, 0, 0], v[bi, last, 0, 1] = np.inf, np.nan
+            clean[bi, last] = False
+    return q, k, v, clean
+
+
+# b, s, h, hkv, d, causal, pad, dtype
+POISON_CASES = [
+    (2, 37, 4, 1, 16, True, 5, jnp.float32),  # all segments and padding in one key tile
+    (1, 100, 2, 2, 32, False, 20, jnp.float32),  # two key tiles, a segment across their border
+    (1, 70, 8, 1, 16, True, 7, jnp.bfloat16),
+]
+
+
+def test_nan_and_inf_in_masked_keys_never_reach_a_row():
+    """The scenario that used to break: a masked key's probability is 0, but 0 * NaN in the value
+    dot is NaN, so a NaN in another segment's V (or padding's, or a later token's under the causal
+    mask) reached every row of the tile. Now each clean row equals the clean run exactly, and a
+    row that attends a non-finite key is NaN in both implementations alike."""
+    rng = np.random.default_rng(4)
+    for b, s, h, hkv, d, causal, pad, dtype in POISON_CASES:
+        q, k, v, _ = _inputs(rng, b, s, h, hkv, d, segments=False)
+        seg = _segment_layout(b, s, pad)
+        pq, pk, pv, clean = _poison(q, k, v, seg, causal=causal)
+        got = {}
+        for impl in ("pallas", "reference"):
+            want = _run(impl, q, k, v, seg, causal=causal, dtype=dtype)
+            got[impl] = _run(impl, pq, pk, pv, seg, causal=causal, dtype=dtype)
+            assert np.isfinite(got[impl][clean]).all(), (impl, s)
+            np.testing.assert_array_equal(got[impl][clean], want[clean], err_msg=f"{impl} {s}")
+            assert np.isnan(got[impl][seg == 2]).all(), (impl, s)
+        np.testing.assert_allclose(
+            got["pallas"], got["reference"], atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{s}"
+        )
+
+
+def test_a_later_nan_under_the_causal_mask_stays_out_of_earlier_rows():
+    rng = np.random.default_rng(5)
+    q, k, v, _ = _inputs(rng, 1, 50, 4, 2, 16, segments=False)
+    pk, pv = k.copy(), v.copy()
+    pk[0, 30:], pv[0, 40:] = np.nan, np.inf
+    for impl in ("pallas", "reference"):
+        want = _run(impl, q, k, v, None, causal=True, dtype=jnp.float32)
+        got = _run(impl, q, pk, pv, None, causal=True, dtype=jnp.float32)
+        np.testing.assert_array_equal(got[0, :30], want[0, :30], err_msg=impl)
+        assert np.isnan(got[0, 30:]).all(), impl
