@@ -10,14 +10,12 @@ Workload and counts as in test_offload_end_to_end.py.
 """
 
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
 
-from mooncake_scenario import MASTER, check_private_network, start_master  # noqa: E402
+from mooncake_scenario import MASTER, check_private_network, start_master, stop_master  # noqa: E402
 
 NUM_PROMPTS, PROMPT_LEN, BLOCK, MAX_TOKENS = 6, 40, 4, 4
 FULL_BLOCKS = (PROMPT_LEN + MAX_TOKENS - 1) // BLOCK
@@ -64,7 +62,7 @@ def connect_engine(checkpoint):
     from runtime.offload.store import StoreError
     from vlax import LLM
 
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # bounds a master that never comes up
     while True:
         try:
             return LLM(
@@ -128,12 +126,7 @@ def main() -> int:
         try:
             check_engines(checkpoint)
         finally:
-            master.send_signal(signal.SIGTERM)
-            try:
-                master.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
+            stop_master(master)
     print("MOONCAKE ENGINE SCENARIO PASSED")
     return 0
 

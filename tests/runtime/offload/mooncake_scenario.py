@@ -65,7 +65,17 @@ def start_master(port: int = PORT, *, evicts: bool = False) -> subprocess.Popen:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # A scenario killed by its test's timeout never reaches its `finally`: the master must
+        # go with it rather than outlive it in the orphaned namespace.
+        preexec_fn=_die_with_parent,
     )
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def stop_master(master: subprocess.Popen) -> None:
