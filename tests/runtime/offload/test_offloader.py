@@ -68,7 +68,10 @@ class GatedStore(HostStore):
         self.fail_every_other = fail_every_other
 
     def put(self, keys, values):
-        self.gate.wait(timeout=30)
+        # The test opens the gate; the bound only turns a test that never does into a failure
+        # (a put that went ahead on a timeout would end the job the test means to keep in flight).
+        if not self.gate.wait(timeout=600):
+            raise TimeoutError("GatedStore.put: the test never opened the gate")
         if not self.fail_every_other:
             return super().put(keys, values)
         kept = [i for i in range(len(keys)) if i % 2 == 0]
