@@ -1,30 +1,39 @@
 """The Llama family: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k norm).
 
-The modules hold parameters only; `forward` and `compute_logits` are pure functions of
-(graphdef, state, ...) so the runner can jit them with the KV cache donated and no weights closed over.
+Implements the model protocol of model/base.py: the modules hold parameters only, and the runner
+jits `model.base.forward` / `compute_logits` with the KV cache donated and no weights closed over.
+The cache is one paged K/V pool over all layers; the paged-attention kernel is chosen once, when the
+model is built, for every layer.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from model.base import ModelOptions, PagedCacheSpec, paged_kv_spec
 from model.batch import ModelBatch
 from model.config import ModelConfig
-from model.layers.attention import Attention
+from model.layers.attention import Attention, choose_backend
 from model.layers.embeddings import Embedding, lm_logits
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.rotary import rotary_cos_sin
 from model.weight_spec import WeightSpec
 
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [blocks, block, Hkv, D]
 
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        attention_backend,
     ):
         dt = cfg.jnp_dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
@@ -37,15 +46,14 @@ class DecoderLayer(nnx.Module):
             o_bias=o_bias,
             qk_norm_eps=cfg.rms_norm_eps if qk_norm else None,
             sliding_window=cfg.sliding_windows[layer_idx],
+            backend=attention_backend,
             dtype=dt,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dt)
 
-    def __call__(self, x, cos, sin, kv_cache, batch, attention_impl):
-        h, kv_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, kv_cache, batch, attention_impl
-        )
+    def __call__(self, x, cos, sin, kv_cache, batch):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -62,13 +70,26 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions()):  # noqa: B008
         self.config = config
+        windows = [w for w in config.sliding_windows if w is not None]
+        attention_backend = choose_backend(
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=config.dtype,
+            cache_dtype=options.resolve_cache_dtype(config),
+            block_size=options.block_size,
+            sliding_window=windows[0] if windows else None,
+            impl=options.attention_backend,
+        )
+        self.backends = (attention_backend,)
         self.model = LlamaModel(
             config,
             qkv_bias=self.qkv_bias(config),
             o_bias=self.o_bias(config),
             qk_norm=self.qk_norm(config),
+            attention_backend=attention_backend,
         )
         self.lm_head = (
             None
@@ -89,7 +110,20 @@ class LlamaForCausalLM(nnx.Module):
     def qk_norm(cfg: ModelConfig) -> bool:
         return False
 
-    def __call__(self, kv_caches: KVCache, batch: ModelBatch, attention_impl: str):
+    @classmethod
+    def cache_specs(cls, config: ModelConfig, options: ModelOptions) -> tuple[PagedCacheSpec, ...]:
+        c = config
+        return (
+            paged_kv_spec(
+                c.num_hidden_layers,
+                options.block_size,
+                c.num_key_value_heads,
+                c.head_dim,
+                options.resolve_cache_dtype(c),
+            ),
+        )
+
+    def __call__(self, kv_caches: KVCache, batch: ModelBatch):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache layers for {len(self.model.layers)} attention layers"
@@ -98,27 +132,13 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rotary_cos_sin(batch.positions, self.model.rope, x.dtype)
         new_caches = []
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, batch, attention_impl)
+            x, kv = layer(x, cos, sin, kv, batch)
             new_caches.append(kv)
         return tuple(new_caches), self.model.norm(x)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return lm_logits(hidden_rows, head.weight[...])
-
-    def make_kv_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:
-        c = self.config
-        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        dt = c.jnp_dtype if dtype is None else jnp.dtype(dtype)
-        return tuple(
-            (jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(c.num_hidden_layers)
-        )
-
-    def kv_cache_bytes_per_block(self, block_size: int, dtype=None) -> int:
-        c = self.config
-        dt = c.jnp_dtype if dtype is None else jnp.dtype(dtype)
-        per_layer = 2 * block_size * c.num_key_value_heads * c.head_dim * dt.itemsize
-        return per_layer * c.num_hidden_layers
 
     @classmethod
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
@@ -227,15 +247,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def qk_norm(cfg: ModelConfig) -> bool:
         return True
-
-
-def forward(
-    graphdef, state, kv_caches: KVCache, batch: ModelBatch, *, attention_impl: str = "auto"
-):
-    """(kv_caches, hidden [T, hidden_size]) after the final norm; pure, for jit with donated caches."""
-    return nnx.merge(graphdef, state)(kv_caches, batch, attention_impl)
-
-
-def compute_logits(graphdef, state, hidden_rows: jax.Array) -> jax.Array:
-    """f32 logits [R, vocab] for the selected hidden rows."""
-    return nnx.merge(graphdef, state).compute_logits(hidden_rows)

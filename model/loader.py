@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from model import registry
+from model.base import ModelOptions
 from model.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -127,13 +128,17 @@ def check_tensors(model_cls: type, config: ModelConfig, tensors: dict[str, Tenso
         )
 
 
-def load_model(path: str | os.PathLike, model_config: ModelConfig):
-    """(graphdef, state) of the config's architecture with the checkpoint's weights in config.dtype."""
+def load_model(
+    path: str | os.PathLike, model_config: ModelConfig, options: ModelOptions | None = None
+):
+    """(graphdef, state) of the config's architecture with the checkpoint's weights in config.dtype,
+    built with `options` (block size, cache dtype, forced attention backend; defaults if None)."""
     path = os.fspath(path)
     cls = registry.model_class(model_config.architecture)
     tensors = list_tensors(path)
     check_tensors(cls, model_config, tensors)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(model_config)))
+    options = ModelOptions() if options is None else options
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(model_config, options)))
     flat = dict(nnx.to_flat_state(abstract))
     specs = {spec.path: spec for spec in cls.hf_weight_specs(model_config)}
     if set(specs) != set(flat):

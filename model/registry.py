@@ -1,4 +1,9 @@
-"""HF `architectures` names -> model classes, resolved lazily so config parsing imports no model code."""
+"""HF `architectures` names -> model families: the one way the runner reaches a model's code.
+
+Built-in families are named by "module.path:ClassName" and imported lazily, so config parsing imports
+no model code. A family outside the project (a plugin, a test) joins with `register`, and is then served
+like a built-in one; every family implements the protocol of model/base.py.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class ArchitectureEntry:
     name: str  # the HF `architectures` entry
-    target: str  # "module.path:ClassName"
+    target: str | type  # "module.path:ClassName", or the class itself
     runner_types: tuple[str, ...]  # what this class can serve: "generate" and/or "pooling"
 
 
-_ENTRIES = (
+_BUILT_IN = (
     ArchitectureEntry("LlamaForCausalLM", "model.llama:LlamaForCausalLM", ("generate",)),
     ArchitectureEntry("Qwen2ForCausalLM", "model.llama:Qwen2ForCausalLM", ("generate",)),
     ArchitectureEntry("Qwen3ForCausalLM", "model.llama:Qwen3ForCausalLM", ("generate",)),
 )
-_REGISTRY = {e.name: e for e in _ENTRIES}
+_REGISTRY = {e.name: e for e in _BUILT_IN}
+_RUNNER_TYPES = ("generate", "pooling")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -29,11 +35,43 @@ def lookup(name: str) -> ArchitectureEntry | None:
     return _REGISTRY.get(name)
 
 
+def register(name: str, target: str | type, runner_types: tuple[str, ...]) -> ArchitectureEntry:
+    """Serve checkpoints whose `architectures` names `name` with `target`'s family.
+
+    Replacing a built-in architecture is refused, so a plugin cannot silently change what a
+    Llama checkpoint runs; registering the same name twice with another target is refused too.
+    """
+    if not isinstance(target, type) and ":" not in str(target):
+        raise ValueError(f"target must be a class or 'module.path:ClassName', got {target!r}")
+    bad = [t for t in runner_types if t not in _RUNNER_TYPES]
+    if not runner_types or bad:
+        raise ValueError(
+            f"runner_types must be a non-empty subset of {_RUNNER_TYPES}, got {runner_types!r}"
+        )
+    entry = ArchitectureEntry(name, target, tuple(runner_types))
+    old = _REGISTRY.get(name)
+    if old is not None and old != entry:
+        raise ValueError(f"architecture {name!r} is already registered to {old.target!r}")
+    _REGISTRY[name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Forget a family added with `register` (built-in ones stay)."""
+    if any(e.name == name for e in _BUILT_IN):
+        raise ValueError(f"{name!r} is built in and cannot be unregistered")
+    if name not in _REGISTRY:
+        raise ValueError(f"architecture {name!r} is not registered")
+    del _REGISTRY[name]
+
+
 def model_class(name: str) -> type:
     entry = _REGISTRY.get(name)
     if entry is None:
         raise ValueError(
             f"unsupported architecture {name!r}; supported: {', '.join(supported_architectures())}"
         )
+    if isinstance(entry.target, type):
+        return entry.target
     module, _, cls = entry.target.partition(":")
     return getattr(importlib.import_module(module), cls)

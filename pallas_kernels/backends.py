@@ -1,9 +1,15 @@
 """One registry for every op in pallas_kernels: which implementation serves a call, and why.
 
 Each implementation declares what it can serve. `select` checks the *full* set of arguments the caller
-will pass (platform, dtype, head dim, features), picks the best eligible implementation, and records why
-every better one was rejected. A forced implementation that cannot serve the query raises at once, so a
-misconfiguration fails when the engine is configured, not inside a jitted step.
+will pass (platform, dtype, head dim, features), picks the best eligible implementation, records why
+every better one was rejected, and logs the decision with its reason (INFO). A forced implementation
+that cannot serve the query raises at once, so a misconfiguration fails when the engine is configured,
+not inside a jitted step.
+
+A model decides once, when it is built, and hands the `Choice` to each layer; the op's dispatcher is
+then called with that `Choice` as its `impl` and only confirms that it serves the call (raising if
+not), so nothing is decided, or logged, again at trace time. A dispatcher called with a string
+("auto" or an implementation's name) decides there, for direct calls of the op.
 """
 
 from __future__ import annotations
@@ -88,20 +94,29 @@ class Implementation:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
+    """The implementation that serves an op, decided once; hashable, so a layer can keep it as
+    static configuration."""
+
     op: str
     impl: str
     fn: Callable
     interpret: bool
-    rejected: tuple[tuple[str, str], ...]
+    rejected: tuple[tuple[str, str], ...]  # (better implementation, why it cannot serve)
+    forced: bool  # named by configuration rather than picked by priority
+    implementation: Implementation  # what it serves, to confirm the choice at each call
 
     def describe(self) -> str:
         mode = " (interpret mode)" if self.interpret else ""
-        why = "; ".join(f"{n}: {r}" for n, r in self.rejected)
-        return f"{self.op} -> {self.impl}{mode}" + (f" [rejected {why}]" if why else "")
+        if self.forced:
+            why = "forced by configuration"
+        elif self.rejected:
+            why = "rejected " + "; ".join(f"{n}: {r}" for n, r in self.rejected)
+        else:
+            why = "the preferred implementation"
+        return f"{self.op} -> {self.impl}{mode} [{why}]"
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
-_LOGGED: set[str] = set()
 
 
 def register(impl: Implementation) -> Implementation:
@@ -132,19 +147,20 @@ def default_platform() -> str:
 def select(
     op: str,
     *,
-    impl: str = "auto",
+    impl: str | Choice = "auto",
     platform: str | None = None,
     dtype=None,
     head_dim: int | None = None,
     features=(),
     **extra,
 ) -> Choice:
-    """Pick the implementation of `op` for a call described by the arguments.
+    """The implementation of `op` for a call described by the arguments.
 
-    `impl="auto"` takes the highest-priority eligible implementation; any other value forces that one and
-    raises `BackendError` naming the reason when it cannot serve the query.
+    `impl="auto"` takes the highest-priority eligible implementation; an implementation's name forces
+    that one and raises `BackendError` naming the reason when it cannot serve the query. Either way the
+    decision is logged once, here. A `Choice` made earlier is confirmed instead: returned as it is if
+    its implementation serves this call, `BackendError` otherwise; nothing is decided or logged.
     """
-    impls = implementations(op)
     q = Query(
         platform=platform or default_platform(),
         dtype=None if dtype is None else jax.numpy.dtype(dtype).name,
@@ -152,6 +168,15 @@ def select(
         features=frozenset(features),
         extra=extra,
     )
+    if isinstance(impl, Choice):
+        return _confirm(op, impl, q)
+    choice = _decide(op, impl, q)
+    log.info("backend: %s", choice.describe())
+    return choice
+
+
+def _decide(op: str, impl: str, q: Query) -> Choice:
+    impls = implementations(op)
     if impl != "auto":
         if impl not in impls:
             raise BackendError(f"{op}: unknown implementation {impl!r}; known: {sorted(impls)}")
@@ -159,17 +184,28 @@ def select(
         reason = chosen.rejection(q, forced=True)
         if reason is not None:
             raise BackendError(f"{op}: implementation {impl!r} cannot serve this call: {reason}")
-        return Choice(op, impl, chosen.fn, q.platform not in chosen.platforms, ())
+        interpret = q.platform not in chosen.platforms
+        return Choice(op, impl, chosen.fn, interpret, (), True, chosen)
 
     rejected = []
     for cand in sorted(impls.values(), key=lambda i: -i.priority):
         reason = cand.rejection(q, forced=False)
         if reason is None:
-            choice = Choice(op, cand.name, cand.fn, False, tuple(rejected))
-            if rejected and choice.describe() not in _LOGGED:
-                _LOGGED.add(choice.describe())
-                log.info("backend fallback: %s", choice.describe())
-            return choice
+            return Choice(op, cand.name, cand.fn, False, tuple(rejected), False, cand)
         rejected.append((cand.name, reason))
     why = "; ".join(f"{n}: {r}" for n, r in rejected)
     raise BackendError(f"{op}: no implementation serves this call ({why})")
+
+
+def _confirm(op: str, choice: Choice, q: Query) -> Choice:
+    if choice.op != op:
+        raise BackendError(f"{op}: given the choice made for another op ({choice.describe()})")
+    # A choice that runs natively must still be on one of its native platforms; one forced into
+    # interpret mode may stay there.
+    reason = choice.implementation.rejection(q, forced=choice.interpret)
+    if reason is not None:
+        raise BackendError(
+            f"{op}: implementation {choice.impl!r}, chosen when the model was built, cannot serve "
+            f"this call: {reason}"
+        )
+    return choice

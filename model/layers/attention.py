@@ -3,6 +3,9 @@
 q, k and v come from one fused projection; this step's keys and values are written into the cache
 through the slot mapping first, so every query attends over its sequence's whole context (cached
 pages plus this step's tokens) through the block tables.
+
+The layer takes its kernel choice when it is built (`choose_backend`, decided once per model by
+`pallas_kernels.backends`) and passes it to the dispatcher, which only confirms it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,29 @@ from model.batch import ModelBatch
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from pallas_kernels.backends import Choice
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, select, write_kv
+
+
+def choose_backend(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    cache_dtype,
+    block_size: int,
+    sliding_window: int | None,
+    impl: str,
+) -> Choice:
+    """The paged-attention implementation for layers of these shapes (one decision, logged).
+
+    Described by shapes alone, so it is made before any array exists; `sliding_window` is any
+    window the layers use (None when none does), as the implementation must serve every layer.
+    """
+    q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
+    k_cache = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), cache_dtype)
+    return select(q, k_cache, sliding_window=sliding_window, impl=impl)
 
 
 class Attention(nnx.Module):
@@ -29,8 +54,10 @@ class Attention(nnx.Module):
         o_bias: bool,
         qk_norm_eps: float | None,
         sliding_window: int | None,
+        backend: Choice,
         dtype,
     ):
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = Linear(
             hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias, dtype=dtype
@@ -51,7 +78,6 @@ class Attention(nnx.Module):
         sin: jax.Array,
         kv_cache: tuple[jax.Array, jax.Array],
         batch: ModelBatch,
-        attention_impl: str,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -73,6 +99,6 @@ class Attention(nnx.Module):
             batch.num_seqs,
             sm_scale=d**-0.5,
             sliding_window=self.sliding_window,
-            impl=attention_impl,
+            impl=self.backend,
         )
         return self.o_proj(out.reshape(t, hq * d)), (k_cache, v_cache)

@@ -2,7 +2,8 @@
 
 `ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
 Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
-reason logged.
+reason logged. A model decides once, with `select` on its layers' shapes when it is built, and passes
+that `Choice` as `impl`; the dispatcher then only confirms it serves the call.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def features_of(sliding_window, soft_cap) -> frozenset[str]:
 
 
 def select(q, k_cache, *, sliding_window=None, soft_cap=None, impl="auto", platform=None):
-    """The backend choice for a call with these arguments (also usable at engine configuration)."""
+    """The backend choice for a call with these arguments; `q` and `k_cache` may be
+    `jax.ShapeDtypeStruct`s, so a model can decide when it is built, before any array exists."""
     return backends.select(
         OP,
         impl=impl,
@@ -82,13 +84,14 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_kv_splits: int | str = "auto",
-    impl: str = "auto",
+    impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
     """Causal attention of a flat token batch against a paged KV cache; see reference.py for shapes.
 
-    `num_kv_splits` ("auto" or an int) only affects the Pallas kernel; every split count gives the
-    same result within float tolerance.
+    `impl` is a `Choice` made earlier by `select` (confirmed, not re-decided), or "auto" / an
+    implementation's name to decide here. `num_kv_splits` ("auto" or an int) only affects the Pallas
+    kernel; every split count gives the same result within float tolerance.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:

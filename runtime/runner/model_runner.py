@@ -4,11 +4,16 @@ The step is a pure function `(graphdef, params, kv_caches, batch, sampling) -> (
 the weights are arguments (never closed over) and the KV cache is donated, so it is updated in place.
 Everything mutable here is shell state: the device arrays and a mirror of each live request's tokens
 and block table, kept in step with the scheduler's outputs.
+
+The runner knows no model family: it finds the checkpoint's family through model/registry.py and uses
+only the protocol of model/base.py (build options, cache specs, forward, compute_logits). Kernel
+choices are made once, when the family is built.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import partial
 
 import immutables
@@ -17,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import base, registry
+from model.base import ModelOptions, compute_logits, forward
 from model.batch import ModelBatch
 from model.config import ModelConfig
-from model.llama import compute_logits, forward
 from model.loader import load_model
-from pallas_kernels import backends
+from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
@@ -37,13 +43,9 @@ class KVCacheSizeError(ValueError):
     """The KV cache cannot hold even one request of max_model_len tokens."""
 
 
-@partial(
-    jax.jit,
-    static_argnames=("attention_impl", "num_logprobs", "want_hidden"),
-    donate_argnums=(2,),
-)
-def _step(graphdef, params, kv_caches, batch, md, *, attention_impl, num_logprobs, want_hidden):
-    kv_caches, hidden = forward(graphdef, params, kv_caches, batch, attention_impl=attention_impl)
+@partial(jax.jit, static_argnames=("num_logprobs", "want_hidden"), donate_argnums=(2,))
+def _step(graphdef, params, kv_caches, batch, md, *, num_logprobs, want_hidden):
+    kv_caches, hidden = forward(graphdef, params, kv_caches, batch)
     logits = compute_logits(graphdef, params, hidden[batch.logits_indices])
     out = sample(logits, md, num_logprobs)
     return kv_caches, out, (hidden if want_hidden else None)
@@ -56,14 +58,34 @@ def _prompt_logprobs(graphdef, params, hidden_rows, next_ids, *, num_logprobs):
     )
 
 
-def _num_kv_blocks(
-    bytes_per_block: int,
-    block_size: int,
+def cache_dtype(model_dtype: str, attention_backend: str) -> str:
+    """The dtype the runner asks a family to keep its caches in.
+
+    On the CPU a bf16 model keeps its caches in f32 unless a kernel is forced: XLA:CPU moves bf16
+    through gathers and scatters slowly (the whole bf16 step ran 3.7x slower than f32), and bf16 keys
+    and values are exact in f32, so the numbers are the same at twice the (host) memory. "auto"
+    never picks an interpret-mode kernel, so on the CPU it means the jnp path.
+    """
+    if (
+        model_dtype == "bfloat16"
+        and current_platform() == "cpu"
+        and attention_backend in ("auto", "reference")
+    ):
+        return "float32"
+    return model_dtype
+
+
+def num_cache_blocks(
+    specs: Sequence[base.CacheSpec],
     max_model_len: int,
     max_num_seqs: int,
     num_kv_blocks: int | None,
     kv_cache_bytes: int | None,
 ) -> int:
+    """Blocks of the cache: a byte budget divided by one block id's bytes over every pool (the sum of
+    the specs' per-block bytes), or `num_kv_blocks` as given; either must hold one whole request."""
+    bytes_per_block = base.bytes_per_block(specs)
+    block_size = specs[0].block_size
     if num_kv_blocks is None:
         full = max_num_seqs * -(-max_model_len // block_size) + 1
         budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
@@ -75,8 +97,9 @@ def _num_kv_blocks(
             f"max_model_len={max_model_len} needs {need - 1} KV blocks of {block_size} tokens "
             f"({(need - 1) * bytes_per_block} bytes) for one request, but the KV cache has "
             f"{max(num_kv_blocks - 1, 0)} usable blocks ({num_kv_blocks * bytes_per_block} bytes at "
-            f"{bytes_per_block} bytes per block); lower max_model_len or raise num_kv_blocks / "
-            "kv_cache_bytes"
+            f"{bytes_per_block} bytes per block: "
+            + ", ".join(f"{s.name} {s.bytes_per_block}" for s in specs)
+            + "); lower max_model_len or raise num_kv_blocks / kv_cache_bytes"
         )
     return num_kv_blocks
 
@@ -98,33 +121,28 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = block_size
         self.seed = seed
-        features = {"sliding_window"} if any(model_config.sliding_windows) else set()
-        self.attention = backends.select(
-            "ragged_paged_attention",
-            impl=attention_backend,
-            dtype=model_config.jnp_dtype,
-            head_dim=model_config.head_dim,
-            features=features,
+        self.kv_dtype = cache_dtype(model_config.dtype, attention_backend)
+        options = ModelOptions(
+            block_size=block_size, cache_dtype=self.kv_dtype, attention_backend=attention_backend
         )
-        log.info("attention backend: %s", self.attention.describe())
-        self.graphdef, self.params = load_model(model_config.path, model_config)
+        family = registry.model_class(model_config.architecture)
+        self.cache_specs = family.cache_specs(model_config, options)
+        self.num_kv_blocks = num_cache_blocks(
+            self.cache_specs, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes
+        )
+        self.kv_cache_bytes = self.num_kv_blocks * base.bytes_per_block(self.cache_specs)
+        try:
+            self.graphdef, self.params = load_model(model_config.path, model_config, options)
+        except BackendError as e:
+            raise BackendError(
+                f"attention_backend={attention_backend!r} for {model_config.architecture} at "
+                f"block_size={block_size}, cache dtype {self.kv_dtype}: {e}"
+            ) from e
+        # The kernel choices the family made (and logged) when it was built, by op.
         model = nnx.merge(self.graphdef, self.params)
-        # On the CPU a bf16 model keeps its KV cache in f32: XLA:CPU moves bf16 through gathers and
-        # scatters slowly (the whole bf16 step ran 3.7x slower than f32), and bf16 keys and values
-        # are exact in f32, so the numbers are the same at twice the (host) memory.
-        self.kv_dtype = (
-            "float32"
-            if model_config.dtype == "bfloat16"
-            and current_platform() == "cpu"
-            and self.attention.impl == "reference"
-            else model_config.dtype
-        )
-        bytes_per_block = model.kv_cache_bytes_per_block(block_size, self.kv_dtype)
-        self.num_kv_blocks = _num_kv_blocks(
-            bytes_per_block, block_size, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes
-        )
-        self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block
-        self.kv_caches = model.make_kv_cache(self.num_kv_blocks, block_size, self.kv_dtype)
+        self.backends = {choice.op: choice for choice in model.backends}
+        self.kv_caches = base.allocate(self.cache_specs, self.num_kv_blocks)
+        log.info("KV cache: %s", base.describe(self.cache_specs, self.num_kv_blocks))
         self.builder = BatchBuilder(
             block_size=block_size,
             max_model_len=max_model_len,
@@ -199,7 +217,6 @@ class ModelRunner:
             self.kv_caches,
             batch,
             md,
-            attention_impl=self.attention.impl,
             num_logprobs=k,
             want_hidden=bool(hb.prompt_logprob_rows),
         )

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import llama
+from model import base
+from model.base import ModelOptions
 from model.config import ModelConfig
 from model.loader import load_model
 from model.testing import (
@@ -86,8 +87,9 @@ def checkpoints(tmp_path_factory):
 
 NUM_BLOCKS = 40
 # Shared by every test: jit caches per (graphdef, shapes), so each model compiles once per module.
-FORWARD = jax.jit(llama.forward, static_argnames="attention_impl", donate_argnums=2)
-LOGITS = jax.jit(llama.compute_logits)
+FORWARD = jax.jit(base.forward, donate_argnums=2)
+LOGITS = jax.jit(base.compute_logits)
+OPTIONS = ModelOptions(block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +98,13 @@ def models(checkpoints):
 
 
 def _load(path, dtype="auto"):
-    graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype=dtype))
+    graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype=dtype), OPTIONS)
     return graphdef, state
+
+
+def _caches(graphdef, state, num_blocks=NUM_BLOCKS, options=OPTIONS):
+    model = nnx.merge(graphdef, state)
+    return base.allocate(type(model).cache_specs(model.config, options), num_blocks)
 
 
 def _ragged_logits(graphdef, state, tokens):
@@ -107,7 +114,7 @@ def _ragged_logits(graphdef, state, tokens):
     step 2: A prefill chunk 13..23 (same cache), B decode, C prefill 0..17, D decode
     step 3: decode A, B, C, D
     """
-    kv = nnx.merge(graphdef, state).make_kv_cache(NUM_BLOCKS, BLOCK)
+    kv = _caches(graphdef, state)
     tables = dict(zip("ABCD", scattered_block_tables([25, 10, 19, 8], BLOCK, seed=3), strict=True))
     steps = [
         [("A", 0, 13), ("B", 0, 7), ("D", 0, 5)],
@@ -118,7 +125,7 @@ def _ragged_logits(graphdef, state, tokens):
     for step in steps:
         chunks = [SeqChunk(tuple(tokens[s][a:b]), a, tables[s]) for s, a, b in step]
         batch = make_batch(chunks, BLOCK, num_tokens=T, num_seqs=S, max_blocks=MB)
-        kv, hidden = FORWARD(graphdef, state, kv, batch, attention_impl="auto")
+        kv, hidden = FORWARD(graphdef, state, kv, batch)
         logits = np.asarray(LOGITS(graphdef, state, hidden))
         row = 0
         for s, a, b in step:
@@ -161,13 +168,13 @@ def test_bfloat16_logits_close_to_hf_bfloat16(checkpoints, tmp_path):
 
 
 def _greedy_paged(graphdef, state, prompts, n_new):
-    kv = nnx.merge(graphdef, state).make_kv_cache(NUM_BLOCKS, BLOCK)
+    kv = _caches(graphdef, state)
     tables = scattered_block_tables([len(p) + n_new for p in prompts], BLOCK, seed=5)
     seqs = [list(p) for p in prompts]
     chunks = [SeqChunk(tuple(p), 0, tb) for p, tb in zip(prompts, tables, strict=True)]
     for _ in range(n_new):
         batch = make_batch(chunks, BLOCK, num_tokens=T, num_seqs=S, max_blocks=MB)
-        kv, hidden = FORWARD(graphdef, state, kv, batch, attention_impl="auto")
+        kv, hidden = FORWARD(graphdef, state, kv, batch)
         logits = np.asarray(LOGITS(graphdef, state, hidden))
         nxt = logits[np.asarray(batch.logits_indices)[: len(prompts)]].argmax(-1)
         for seq, t in zip(seqs, nxt, strict=True):
@@ -188,16 +195,19 @@ def test_greedy_decode_matches_hf_generate(checkpoints, models):
         assert ours == want, name
 
 
-def test_kv_cache_allocation_matches_its_size(models):
+def test_kv_cache_is_one_paged_kv_pool_of_its_stated_size(models):
     graphdef, state = models["llama_mha_llama3_tied"]  # head_dim 32, 4 kv heads, 2 layers
     model = nnx.merge(graphdef, state)
-    for dtype in (None, "bfloat16"):
-        kv = model.make_kv_cache(3, BLOCK, dtype)
+    for cache_dtype in (None, "bfloat16"):
+        options = ModelOptions(block_size=BLOCK, cache_dtype=cache_dtype)
+        (spec,) = type(model).cache_specs(model.config, options)
+        assert (spec.num_layers, spec.parts, spec.page_shape) == (2, ("k", "v"), (BLOCK, 4, 32))
+        kv = _caches(graphdef, state, 3, options)
         assert len(kv) == 2 and kv[0][0].shape == (3, BLOCK, 4, 32)
-        assert kv[0][0].dtype == (model.config.jnp_dtype if dtype is None else jnp.bfloat16)
-        assert sum(a.nbytes for pair in kv for a in pair) == 3 * model.kv_cache_bytes_per_block(
-            BLOCK, dtype
-        )
+        assert kv[0][0].dtype == (model.config.jnp_dtype if cache_dtype is None else jnp.bfloat16)
+        itemsize = kv[0][0].dtype.itemsize
+        assert spec.bytes_per_block == 2 * 2 * BLOCK * 4 * 32 * itemsize
+        assert sum(a.nbytes for pair in kv for a in pair) == 3 * spec.bytes_per_block
     batch = make_batch([SeqChunk((5, 6), 0, (1,))], BLOCK)
     with pytest.raises(ValueError, match="1 KV cache layers for 2 attention layers"):
-        llama.forward(graphdef, state, model.make_kv_cache(4, BLOCK)[:1], batch)
+        base.forward(graphdef, state, _caches(graphdef, state, 4)[:1], batch)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from model import llama
+from model import base
 from model.config import ModelConfig
 from model.loader import LoadError, load_model
 from model.testing import write_tiny_checkpoint
@@ -123,11 +123,11 @@ def test_tied_embeddings_share_the_embedding_table(tmp_path):
     graphdef, state = _load(path)
     assert all(p[0] != "lm_head" for p, _ in nnx.to_flat_state(state))
     hidden = jnp.asarray(np.random.default_rng(0).standard_normal((3, 64), np.float32))
-    got = llama.compute_logits(graphdef, state, hidden)
+    got = base.compute_logits(graphdef, state, hidden)
     np.testing.assert_allclose(got, hidden @ t["model.embed_tokens.weight"].T, rtol=1e-5, atol=1e-5)
     # an exporter that also stored the (tied) head: accepted and unused
     dup = _rewrite(path, tmp_path / "dup", t | {"lm_head.weight": np.zeros((128, 64), np.float32)})
-    np.testing.assert_allclose(llama.compute_logits(*_load(dup), hidden), got)
+    np.testing.assert_allclose(base.compute_logits(*_load(dup), hidden), got)
 
 
 def test_bfloat16_tensors_load_exactly(tmp_path):

@@ -1,3 +1,5 @@
+import logging
+
 import jax.numpy as jnp
 import pytest
 
@@ -75,3 +77,35 @@ def test_no_eligible_impl_names_every_reason(toy_op):
 def test_unknown_op():
     with pytest.raises(BackendError, match="unknown op"):
         backends.select("no_such_op")
+
+
+def test_every_decision_is_logged_with_its_reason(toy_op, caplog):
+    with caplog.at_level(logging.INFO, logger="pallas_kernels.backends"):
+        backends.select(toy_op, platform="cpu", dtype=jnp.float32, head_dim=128)
+        backends.select(toy_op, impl="pallas", platform="cpu", dtype=jnp.float32, head_dim=64)
+        backends.select(toy_op, platform="cuda", dtype=jnp.float32, head_dim=64)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"backend: {toy_op} -> reference [rejected pallas: platform 'cpu' not served "
+        "(serves ['cuda', 'rocm'])]",
+        f"backend: {toy_op} -> pallas (interpret mode) [forced by configuration]",
+        f"backend: {toy_op} -> pallas [the preferred implementation]",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_a_choice_made_earlier_is_confirmed_not_decided_again(toy_op, caplog):
+    choice = backends.select(toy_op, impl="pallas", platform="cpu", dtype=jnp.float32, head_dim=64)
+    with caplog.at_level(logging.DEBUG, logger="pallas_kernels.backends"):
+        again = backends.select(toy_op, impl=choice, platform="cpu", dtype=jnp.float32, head_dim=64)
+    assert again is choice and caplog.records == []
+    with pytest.raises(
+        BackendError, match="'pallas', chosen when the model was built, .*head_dim 256"
+    ):
+        backends.select(toy_op, impl=choice, platform="cpu", head_dim=256)
+    with pytest.raises(BackendError, match="choice made for another op"):
+        backends.select("ragged_paged_attention", impl=choice, platform="cpu")
+    # A choice that runs natively does not slip into interpret mode on another platform.
+    native = backends.select(toy_op, platform="cuda", dtype=jnp.float32, head_dim=64)
+    assert native.impl == "pallas" and not native.interpret
+    with pytest.raises(BackendError, match="platform 'cpu' not served"):
+        backends.select(toy_op, impl=native, platform="cpu", head_dim=64)

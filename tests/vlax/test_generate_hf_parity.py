@@ -111,7 +111,7 @@ def test_pallas_attention_backend_matches_hf(checkpoints):
         block_size=8,
         attention_backend="pallas",
     )
-    assert llm.engine.runner.attention.impl == "pallas"
+    assert llm.engine.runner.backends["ragged_paged_attention"].impl == "pallas"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     ref = _hf_reference(path, prompts)
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
