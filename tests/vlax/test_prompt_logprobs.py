@@ -177,3 +177,37 @@ def test_prompt_logprobs_of_preempted_requests_match_hf(path, hf, prompts):
         assert resumed and resumed[0].num_computed_tokens == 0
         check_prompt_logprobs(outs[1], hf)
         assert outs[1].outputs[0].token_ids == hf_greedy(hf, victim, victim_max)
+
+
+def test_prompt_logprobs_request_loads_nothing_from_the_kv_store(path, hf, prompts):
+    """The prompt's blocks are in the host store and no longer in the device cache: a plain
+    request would load 9 of them; a prompt-logprobs request computes all 40 tokens instead."""
+    llm = LLM(
+        path,
+        max_model_len=64,
+        block_size=BLOCK,
+        max_num_seqs=2,
+        num_kv_blocks=24,
+        kv_offload="host",
+        kv_offload_bytes=8 << 20,
+    )
+    try:
+        generate(llm, prompts["hit"], PLAIN)
+        rng = np.random.default_rng(9)
+        fillers = [{"prompt_token_ids": rng.integers(3, 128, PROMPT_LEN).tolist()} for _ in "abc"]
+        llm.generate(fillers, PLAIN, use_tqdm=False)  # 23 usable blocks: the prompt is evicted
+        stats = llm.engine.offload_stats
+        assert stats.blocks_stored >= 10 and stats.blocks_loaded == 0
+
+        out, _ = generate(llm, prompts["hit"], WITH_PROMPT_LOGPROBS)
+        assert new_request_data(llm, out.request_id).num_computed_tokens == 0
+        assert llm.engine.offload_stats.blocks_loaded == 0
+        check_prompt_logprobs(out, hf)
+
+        llm.generate(fillers, PLAIN, use_tqdm=False)  # evicts it again (they load from the store)
+        loaded = llm.engine.offload_stats.blocks_loaded
+        again, _ = generate(llm, prompts["hit"], PLAIN)
+        assert llm.engine.offload_stats.blocks_loaded - loaded == 9
+        assert new_request_data(llm, again.request_id).num_computed_tokens == 36
+    finally:
+        llm.engine.close()
