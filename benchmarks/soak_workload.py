@@ -1,0 +1,99 @@
+"""The soak's seeded workload, and its fault-free reference tokens.
+
+Requests share a few long prefixes (so the store serves loads) and differ in suffix length,
+max_tokens, priority and sampling: greedy, seeded (batch-invariant by design, so checked like
+greedy) and unseeded (checked only for ending properly). Some reuse the id of a request that
+already ended (the request-id ABA of vLLM #51637).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.core.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SoakSize:
+    num_requests: int
+    max_prompt: int  # tokens, shared prefix included
+    max_tokens: int
+    num_prefixes: int = 6
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
+    block_size: int = 8
+    max_model_len: int = 128
+    # Usable blocks: two or three requests' worth, so decode preempts often.
+    num_kv_blocks: int = 36
+    store_blocks: int = 192  # host store slots: fewer than the run stores, so it evicts
+
+
+SIZES = {
+    # The CI size: a minute on 2 cores, compilation included.
+    "ci": SoakSize(num_requests=80, max_prompt=64, max_tokens=48),
+    "full": SoakSize(num_requests=2000, max_prompt=80, max_tokens=48),
+}
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    index: int  # position in the workload: the identity checks are keyed by
+    request_id: str  # may repeat an earlier request's id (added only after that one ended)
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int
+
+    @property
+    def checked(self) -> bool:
+        """Its tokens are a function of the prompt alone: greedy, or seeded sampling."""
+        return self.params.temperature == 0 or self.params.seed is not None
+
+
+def make_workload(size: SoakSize, vocab_size: int, seed: int) -> list[SoakRequest]:
+    rng = np.random.default_rng(seed)
+    prefix_len = size.max_prompt // 2
+    prefixes = [rng.integers(3, vocab_size, prefix_len).tolist() for _ in range(size.num_prefixes)]
+    out = []
+    for index in range(size.num_requests):
+        length = int(rng.integers(1, size.max_prompt + 1))
+        # Most share a prefix (cut to the prompt's length).
+        shared = rng.random() < 0.7
+        head = prefixes[int(rng.integers(size.num_prefixes))][:length] if shared else []
+        prompt = head + rng.integers(3, vocab_size, length - len(head)).tolist()
+        kind = rng.random()
+        common = dict(
+            max_tokens=int(rng.integers(1, size.max_tokens + 1)),
+            ignore_eos=bool(rng.random() < 0.5),
+        )
+        if kind < 0.6:
+            params = SamplingParams(temperature=0.0, **common)
+        elif kind < 0.8:
+            params = SamplingParams(
+                temperature=0.8, top_p=0.9, seed=int(rng.integers(1 << 31)), **common
+            )
+        else:
+            params = SamplingParams(temperature=1.0, **common)
+        # One in ten reuses the id of a request a few places back (added once that one ended).
+        reuse = index >= 8 and rng.random() < 0.1
+        request_id = out[index - int(rng.integers(1, 8))].request_id if reuse else f"r{index}"
+        out.append(
+            SoakRequest(index, request_id, tuple(prompt), params, priority=int(rng.integers(0, 4)))
+        )
+    return out
+
+
+def reference_tokens(engine, workload: list[SoakRequest]) -> dict[int, list[int]]:
+    """Each checked request's tokens from a fault-free engine: no store, no aborts, unique ids."""
+    for req in workload:
+        if req.checked:
+            engine.add_request(
+                f"ref{req.index}", list(req.prompt_token_ids), req.params, priority=req.priority
+            )
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for tracked in engine.step():
+            del engine.tracked[tracked.request_id]
+            tokens[int(tracked.request_id[3:])] = list(tracked.token_ids)
+    return tokens
