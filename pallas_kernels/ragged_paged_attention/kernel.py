@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.masked_values import finite_values, poison_rows
 from pallas_kernels.platform import num_cores, triton_params
 from pallas_kernels.ragged_paged_attention.heuristics import Tiling, tiling
 from pallas_kernels.ragged_paged_attention.work_items import (
@@ -83,8 +84,9 @@ def _kernel(
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m_prev - m_use)
         p = jnp.where(mask, jnp.exp(s - m_use[:, None]), 0.0)
-        # Keys past the context are stale or poisoned: 0 * NaN would still reach the output.
-        v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))
+        # Keys a row does not attend (past the context: stale pages; before its window; past its
+        # causal diagonal) have p = 0, but 0 * NaN is not 0: see masked_values.py.
+        v, v_bad = finite_values(v)
         pv = lax.dot_general(
             p.astype(v.dtype),
             v,
@@ -92,6 +94,7 @@ def _kernel(
             precision=precision,
             preferred_element_type=jnp.float32,
         )
+        pv = poison_rows(pv, mask, v_bad)
         return acc * alpha[:, None] + pv, m_new, l_prev * alpha + jnp.sum(p, axis=1)
 
     init = (

@@ -57,7 +57,9 @@ def ragged_paged_attention(
     """q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; output [T, Hq, D] in q's dtype.
 
     Sequence s's query tokens are the last q_len positions of its kv_lens[s] context (causal).
-    Tokens past cu_q_lens[num_seqs] produce zeros.
+    Tokens past cu_q_lens[num_seqs] produce zeros. A key a token does not attend never changes its
+    output, whatever the cache holds there; a token that attends a value holding NaN or inf gets
+    NaN (pallas_kernels/masked_values.py).
     """
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -101,10 +103,26 @@ def ragged_paged_attention(
     p = jnp.where(m4, jnp.exp(s - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
-    # Zero the values outside the context too: 0 * NaN from a stale page would poison the row.
-    vw = jnp.where(key_ok[:, :, None, None], vw.astype(jnp.float32), 0.0)
+    vw = vw.astype(jnp.float32)
     o = jnp.einsum("wkgcl,wlkd->wckgd", p, vw, precision=_precision())
+    # Keys a token does not attend (stale pages past the context, keys before its window or past
+    # its causal diagonal) have p = 0, but 0 * NaN is not 0. Every gathered key is in the product,
+    # so a non-finite value anywhere makes `o` non-finite: only then is the product redone with
+    # such values kept out, and the usual all-finite batch pays one check of `o`.
+    o = jax.lax.cond(
+        jnp.all(jnp.isfinite(o)), lambda: o, lambda: _product_of_finite_values(p, vw, mask)
+    )
 
     dest = jnp.where(row_ok, rows, t).reshape(-1)
     out = jnp.zeros((t, hq, d), q.dtype)
     return out.at[dest].set(o.reshape(w * chunk, hq, d).astype(q.dtype), mode="drop")
+
+
+def _product_of_finite_values(p, vw, mask):
+    """p [W, Hkv, G, C, L] @ vw [W, L, Hkv, D] with non-finite value rows entering as zeros, and
+    NaN for the tokens that attend one (mask [W, C, L]); see pallas_kernels/masked_values.py."""
+    v_bad = ~jnp.all(jnp.isfinite(vw), axis=-1)  # [W, L, Hkv]
+    vw = jnp.where(v_bad[..., None], 0.0, vw)
+    o = jnp.einsum("wkgcl,wlkd->wckgd", p, vw, precision=_precision())
+    attends_bad = jnp.any(mask[:, None] & v_bad.transpose(0, 2, 1)[:, :, None, :], axis=-1)
+    return jnp.where(attends_bad.transpose(0, 2, 1)[..., None, None], jnp.nan, o)

@@ -163,3 +163,56 @@ def test_split_heuristic():
 def test_reference_chunking_is_shape_driven():
     assert ref.choose_chunk(256, 256, 2048, 32, 8, 128) <= 8
     assert ref.choose_chunk(2048, 1, 2048, 32, 8, 128) >= 64
+
+
+def _poison_unattended(b, *, sliding_window):
+    """NaN K and +-inf V at every context position of every sequence that none of its query
+    tokens attends (before the window), and at the last position of every prefill of 2+ tokens
+    (past the causal diagonal of all its other tokens). Returns the poisoned batch and bool[T]:
+    the tokens whose attended keys are all clean."""
+    kc, vc = b["k_cache"].copy(), b["v_cache"].copy()
+    bs = kc.shape[1]
+    clean = np.zeros(b["q"].shape[0], bool)
+    cu, tables = b["cu_q_lens"], b["block_tables"]
+    for s in range(int(b["num_seqs"])):
+        kl, ql = int(b["kv_lens"][s]), int(cu[s + 1] - cu[s])
+        clean[cu[s] : cu[s + 1]] = True
+        poisoned = list(range(max(kl - ql - sliding_window + 1, 0))) if sliding_window else []
+        if ql > 1:
+            poisoned.append(kl - 1)
+            clean[cu[s + 1] - 1] = False
+        for p in poisoned:
+            page, slot = tables[s, p // bs], p % bs
+            kc[page, slot] = np.nan
+            vc[page, slot] = np.where(np.arange(vc.shape[-1]) % 2, np.inf, -np.inf)
+    return dict(b, k_cache=kc, v_cache=vc), clean
+
+
+def test_nan_and_inf_in_unattended_keys_never_reach_a_token():
+    """The scenario that used to break: keys inside a sequence's context that a token does not
+    attend (before its sliding window: pages a window lets go stale; after its causal diagonal:
+    later tokens of the same chunk) still went into the value dot with probability 0, and
+    0 * NaN = NaN. Now every clean token equals the clean run exactly, and a token that attends a
+    non-finite value is NaN in both implementations alike."""
+    rng = np.random.default_rng(5)
+    # q_lens, kv_lens, hq, hkv, d, block_size, sliding_window, dtype
+    for ql, kl, hq, hkv, d, bs, sw, dtype in [
+        ([1, 7, 16, 100], [70, 40, 50, 130], 4, 1, 16, 16, 24, jnp.float32),
+        ([1, 30, 1], [45, 30, 60], 8, 2, 32, 8, None, jnp.float32),
+        ([1, 16, 7], [45, 16, 60], 2, 2, 32, 16, 32, jnp.bfloat16),
+    ]:
+        b = make_batch(
+            rng, ql, kl, hq=hq, hkv=hkv, d=d, block_size=bs, max_blocks=-(-max(kl) // bs) + 1
+        )
+        poisoned, clean = _poison_unattended(b, sliding_window=sw)
+        got = {}
+        for impl in ("pallas", "reference"):
+            want = np.asarray(_run(impl, _jnp(b, dtype), sliding_window=sw), np.float32)
+            got[impl] = np.asarray(_run(impl, _jnp(poisoned, dtype), sliding_window=sw), np.float32)
+            assert np.isfinite(got[impl][clean]).all(), (impl, ql)
+            np.testing.assert_array_equal(got[impl][clean], want[clean], err_msg=f"{impl} {ql}")
+            n = sum(ql)
+            assert np.isnan(got[impl][:n][~clean[:n]]).all(), (impl, ql)
+        np.testing.assert_allclose(
+            got["pallas"], got["reference"], atol=TOL[dtype], rtol=TOL[dtype], err_msg=f"{ql}"
+        )
