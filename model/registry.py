@@ -25,6 +25,8 @@ _BUILT_IN = (
 )
 _REGISTRY = {e.name: e for e in _BUILT_IN}
 _RUNNER_TYPES = ("generate", "pooling")
+# The class-level members of model/base.py's protocol the runner calls.
+_PROTOCOL = ("hf_weight_specs", "hf_ignored_weight", "cache_specs", "compute_logits")
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -72,6 +74,14 @@ def model_class(name: str) -> type:
             f"unsupported architecture {name!r}; supported: {', '.join(supported_architectures())}"
         )
     if isinstance(entry.target, type):
-        return entry.target
-    module, _, cls = entry.target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+        cls = entry.target
+    else:
+        module, _, attr = entry.target.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+    missing = [m for m in _PROTOCOL if not callable(getattr(cls, m, None))]
+    if missing:
+        raise TypeError(
+            f"{cls.__qualname__} (registered for {name!r}) lacks {', '.join(missing)} of the model "
+            "protocol in model/base.py"
+        )
+    return cls
