@@ -46,7 +46,10 @@ def run(num_rows: int, vocab: int, repeats: int) -> dict:
     output = rng.integers(0, vocab, 128).tolist()
     result = {}
     for name, (params, k) in MIXES.items():
-        rows = [SamplingRow(f"r{i}", params, prompt, output, 2) for i in range(num_rows)]
+        rows = [
+            SamplingRow(f"r{i}", params, tuple(prompt) + tuple(output), len(prompt), (2,))
+            for i in range(num_rows)
+        ]
 
         def build(rows=rows):
             return make_sampling_metadata(

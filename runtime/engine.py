@@ -155,11 +155,16 @@ class Engine:
             return None
 
     @property
-    def eos_token_id(self) -> int | None:
-        eos = self.model_config.eos_token_ids
-        if eos:
-            return eos[0]
-        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every EOS id: the checkpoint config's, generation_config.json's, the tokenizer's."""
+        found = self.model_config.hf_config.get("eos_token_id")
+        config = () if found is None else (tuple(found) if not isinstance(found, int) else (found,))
+        tok = (
+            ()
+            if self.tokenizer is None or self.tokenizer.eos_token_id is None
+            else (self.tokenizer.eos_token_id,)
+        )
+        return tuple(dict.fromkeys(config + self.model_config.eos_token_ids + tok))
 
     def add_request(
         self,
@@ -179,17 +184,11 @@ class Engine:
             )
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        eos_ids = tuple(self.model_config.eos_token_ids[1:])
-        if eos_ids and not params.ignore_eos:
-            # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop like stop tokens, as in vLLM.
-            extra = tuple(t for t in eos_ids if t not in params.stop_token_ids)
-            if extra:
-                params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(
             request_id=request_id,
             prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=float(next(self._arrival)),
             priority=priority,
         )

@@ -46,6 +46,8 @@ class NewRequestData:
     # Tokens already in the KV cache (the prefix-cache hit); computing starts here.
     num_computed_tokens: int
     lora_name: str | None = None
+    # The request's EOS ids (Request.eos_token_ids): the sampler's min_tokens mask holds them back.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

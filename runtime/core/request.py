@@ -182,6 +182,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    # The shell could not serve it (the runner or the detokenizer failed on this request).
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -193,6 +195,7 @@ _FINISHED = frozenset(
         RequestStatus.FINISHED_STOPPED,
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
     )
 )
 
@@ -201,6 +204,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +212,10 @@ class Request:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams = SamplingParams()
-    eos_token_id: int | None = None
+    # Every id that ends the request as EOS (unless ignore_eos), resolved once by the shell's input
+    # processor; the first is the one vLLM calls the EOS (a stop on it reports no stop_reason).
+    # min_tokens holds all of them back.
+    eos_token_ids: tuple[int, ...] = ()
     # Wall time or engine step; only its order matters (FCFS and priority ties).
     arrival_time: float = 0.0
     # Lower is more urgent (vLLM semantics).
@@ -240,10 +247,7 @@ class Request:
         set_(self, "output_token_ids", _int_tuple(own, "output_token_ids", self.output_token_ids))
         if not isinstance(self.sampling_params, SamplingParams):
             raise _bad(own, "sampling_params", self.sampling_params, "a SamplingParams")
-        if self.eos_token_id is not None and (
-            not _is_int(self.eos_token_id) or self.eos_token_id < 0
-        ):
-            raise _bad(own, "eos_token_id", self.eos_token_id, "an int >= 0 or None")
+        set_(self, "eos_token_ids", _int_tuple(own, "eos_token_ids", self.eos_token_ids))
         if not _is_real(self.arrival_time):
             raise _bad(own, "arrival_time", self.arrival_time, "a finite number")
         if not _is_int(self.priority):
@@ -330,7 +334,7 @@ def evolve(
     _set(out, "request_id", r.request_id)
     _set(out, "prompt_token_ids", r.prompt_token_ids)
     _set(out, "sampling_params", r.sampling_params)
-    _set(out, "eos_token_id", r.eos_token_id)
+    _set(out, "eos_token_ids", r.eos_token_ids)
     _set(out, "arrival_time", r.arrival_time)
     _set(out, "priority", r.priority)
     _set(out, "mm_inputs", r.mm_inputs)

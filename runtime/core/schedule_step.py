@@ -326,6 +326,7 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
                 block_ids=kv.tables[request_id],
                 num_computed_tokens=request.num_computed_tokens,
                 lora_name=request.lora_name,
+                eos_token_ids=request.eos_token_ids,
             )
         )
         num_scheduled[request_id] = num_tokens

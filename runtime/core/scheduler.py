@@ -44,6 +44,7 @@ _FINISHED_STATUS = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH_CAPPED,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -100,8 +101,9 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 def finish_requests(
     state: SchedulerState, request_ids: Iterable[str], reason: FinishReason
 ) -> SchedulerState:
-    """Finish unfinished requests from outside (abort; stop strings found by the detokenizer),
-    releasing everything they hold. Unknown or repeated ids raise and change nothing."""
+    """Finish unfinished requests from outside (abort; stop strings found by the output processor;
+    errors the shell met serving them), releasing everything they hold. Unknown or repeated ids
+    raise and change nothing."""
     if reason not in _FINISHED_STATUS:
         raise SchedulerError(f"finish_requests: reason={reason!r}, expected a FinishReason")
     request_ids = tuple(request_ids)

@@ -1,6 +1,7 @@
 """Stop conditions applied by the scheduler after a token is appended (vLLM's check_stop).
 
-Stop strings are the detokenizer's business (the engine finishes those requests itself).
+Stop strings are the output processor's business (runtime/output_processor.py finishes those
+requests through `finish_requests`).
 """
 
 from dataclasses import dataclass
@@ -25,16 +26,18 @@ _EOS = Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
 def check_stop(request: Request, max_model_len: int) -> Stop | None:
     """Whether `request`, whose last output token was just appended, is done.
 
-    EOS (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist and win
-    over the length limits on the same token, as in vLLM; max_model_len caps even before
-    min_tokens, since no further position exists.
+    EOS ids (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist and
+    win over the length limits on the same token, as in vLLM; max_model_len caps even before
+    min_tokens, since no further position exists. The first EOS id stops with no stop_reason;
+    the others report their id, as vLLM's generation-config EOS ids (stop ids there) do.
     """
     params = request.sampling_params
     num_output = len(request.output_token_ids)
     if num_output >= params.min_tokens:
         last = request.output_token_ids[-1]
-        if last == request.eos_token_id and not params.ignore_eos:
-            return _EOS
+        eos = request.eos_token_ids
+        if eos and not params.ignore_eos and last in eos:
+            return _EOS if last == eos[0] else Stop(_EOS.status, _EOS.reason, stop_reason=last)
         if last in params.stop_token_ids:
             return Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP, stop_reason=last)
     if request.num_tokens >= max_model_len:

@@ -32,10 +32,8 @@ class RequestRow:
     # Prompt positions whose logprobs were returned (position p: the logprob of token p + 1).
     # A preempted request computes its prompt again; those positions are not returned twice.
     num_prompt_logprobs_done: int = 0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+    # EOS ids the sampler holds back while the request is below min_tokens.
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:

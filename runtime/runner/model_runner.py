@@ -30,6 +30,8 @@ from model.loader import load_model
 from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from runtime.runner import request_rows
+from runtime.runner.errors import RunnerLost
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
@@ -56,6 +58,11 @@ def _prompt_logprobs(graphdef, params, hidden_rows, next_ids, *, num_logprobs):
     return compute_prompt_logprobs(
         compute_logits(graphdef, params, hidden_rows), next_ids, num_logprobs
     )
+
+
+def _taken(caches) -> bool:
+    """Whether a jitted call took (donated and deleted) these cache arrays."""
+    return any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(caches))
 
 
 def cache_dtype(model_dtype: str, attention_backend: str) -> str:
@@ -151,38 +158,25 @@ class ModelRunner:
         )
         self.rows: dict[str, RequestRow] = {}
 
-    # -- keeping the request mirror in step with the scheduler -----------------------------------
-
-    def _apply(self, so: SchedulerOutput) -> list[str]:
-        for rid in so.finished_req_ids:
-            self.rows.pop(rid, None)
-        order = []
-        for cd in so.scheduled_cached_reqs:
-            row = self.rows[cd.req_id]
-            if cd.resumed_from_preemption:
-                row.block_ids = list(cd.new_block_ids)
-                if cd.all_token_ids is not None:
-                    row.token_ids = list(cd.all_token_ids)
-            else:
-                row.block_ids.extend(cd.new_block_ids)
-            row.num_computed_tokens = cd.num_computed_tokens
-            order.append(cd.req_id)
-        for nd in so.scheduled_new_reqs:
-            self.rows[nd.req_id] = RequestRow(
-                nd.req_id,
-                list(nd.prompt_token_ids),
-                list(nd.block_ids),
-                prompt_len=len(nd.prompt_token_ids),
-                sampling_params=nd.sampling_params,
-                num_computed_tokens=nd.num_computed_tokens,
-            )
-            order.append(nd.req_id)
-        return order
-
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        order = self._apply(so)
+        """Run one step. If it raises before the device step took the KV cache, the runner is as
+        it was before the call (runtime/runner/errors.py says what each failure means)."""
+        order, undo = request_rows.apply(self.rows, so)
         if not order:
             return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
+        caches = self.kv_caches
+        try:
+            return self._execute(so, order)
+        except Exception as err:
+            if self.kv_caches is caches and not _taken(caches):
+                request_rows.undo(self.rows, undo)
+                raise
+            raise RunnerLost(
+                f"step {so.step}: the device step failed after it took the KV cache ({err!r}); "
+                "this runner cannot serve any more requests"
+            ) from err
+
+    def _execute(self, so: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
         want_prompt = frozenset(
             r
             for r in order
@@ -193,6 +187,7 @@ class ModelRunner:
             self.rows, so.num_scheduled_tokens, order, want_prompt_logprobs=want_prompt
         )
         sampling = [self.rows[r] for r in hb.sampling_req_ids]
+        vocab = self.model_config.vocab_size
         k = logprobs_bucket(
             max(
                 (
@@ -201,12 +196,13 @@ class ModelRunner:
                     if r.sampling_params.logprobs is not None
                 ),
                 default=None,
-            )
+            ),
+            vocab,
         )
         md = make_sampling_metadata(
             [self._sampling_row(r) for r in sampling],
             num_rows=hb.arrays["logits_indices"].shape[0],
-            vocab_size=self.model_config.vocab_size,
+            vocab_size=vocab,
             global_seed=self.seed,
             step=so.step,
         )
@@ -233,14 +229,11 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
         )
 
-    def _sampling_row(self, row: RequestRow) -> SamplingRow:
-        eos = self.model_config.eos_token_ids
+    @staticmethod
+    def _sampling_row(row: RequestRow) -> SamplingRow:
+        # The row's own token list, not a copy: only penalties read it.
         return SamplingRow(
-            request_id=row.req_id,
-            params=row.sampling_params,
-            prompt_token_ids=row.token_ids[: row.prompt_len],
-            output_token_ids=row.output_token_ids,
-            eos_token_id=eos[0] if eos else None,
+            row.req_id, row.sampling_params, row.token_ids, row.prompt_len, row.eos_token_ids
         )
 
     @staticmethod
@@ -278,7 +271,7 @@ class ModelRunner:
                 continue
             row.num_prompt_logprobs_done = end
             first, n, start = done, end - done, start + done - chunk
-            k = logprobs_bucket(row.sampling_params.prompt_logprobs)
+            k = logprobs_bucket(row.sampling_params.prompt_logprobs, self.model_config.vocab_size)
             next_ids = jnp.asarray(row.token_ids[first + 1 : first + 1 + n], jnp.int32)
             ids, vals, ranks = map(
                 np.asarray,

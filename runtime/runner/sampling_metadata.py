@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from runtime.runner.errors import RequestFailed
+
 GREEDY_TEMPERATURE = 1e-5
 LOGPROBS_BUCKETS = (0, 5, 20)
 _MIN_WIDTH = 8
@@ -25,15 +27,29 @@ MAX_VOCAB_SIZE = 1 << 24  # the sampler's argmax carries token indices exactly i
 class SamplingRow:
     """What the sampler needs to know about one request this step.
 
-    `params` is a `SamplingParams` (duck-typed on its vLLM field names). `output_token_ids` are the
-    tokens generated so far; the token being sampled now is output number `len(output_token_ids)`.
+    `params` is a `SamplingParams` (duck-typed on its vLLM field names). `token_ids` are the prompt
+    followed by the tokens generated so far (the runner's own list, not copied: only penalties read
+    it); the token being sampled now is output number `num_output_tokens`. `eos_token_ids` are the
+    request's EOS ids, held back with its stop ids while it is below min_tokens.
     """
 
     request_id: str
     params: Any
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_id: int | None = None
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @jax.tree_util.register_dataclass
@@ -76,16 +92,19 @@ class SamplingMetadata:
         return int(self.greedy.shape[0])
 
 
-def logprobs_bucket(num_logprobs: int | None) -> int | None:
-    """The static logprobs width to compile for a batch whose largest request asks `num_logprobs`."""
+def logprobs_bucket(num_logprobs: int | None, vocab_size: int | None = None) -> int | None:
+    """The static logprobs width to compile for a batch whose largest request asks `num_logprobs`:
+    a bucket, but never wider than the vocabulary (top-k of more than V entries does not exist)."""
     if num_logprobs is None:
         return None
     if num_logprobs < 0:
         raise ValueError(f"num_logprobs must be >= 0 or None, got {num_logprobs}")
-    for bucket in LOGPROBS_BUCKETS:
-        if num_logprobs <= bucket:
-            return bucket
-    return 1 << (num_logprobs - 1).bit_length()
+    if vocab_size is not None and num_logprobs > vocab_size:
+        raise ValueError(f"num_logprobs={num_logprobs} exceeds the vocabulary size {vocab_size}")
+    width = next(
+        (b for b in LOGPROBS_BUCKETS if num_logprobs <= b), 1 << (num_logprobs - 1).bit_length()
+    )
+    return width if vocab_size is None else min(width, vocab_size)
 
 
 def _width(n: int) -> int:
@@ -104,12 +123,20 @@ def _bias_pairs(logit_bias: Any) -> tuple[tuple[int, float], ...]:
     return tuple((int(t), float(b)) for t, b in items)
 
 
-def _check_ids(what: str, request_id: str, ids: Sequence[int], vocab_size: int) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"request {request_id!r}: {what} contains token id {bad[0]}, "
-            f"expected ids in [0, {vocab_size})"
+def _check_ids(
+    what: str, rows: Sequence[SamplingRow], ids: np.ndarray, valid: np.ndarray, vocab_size: int
+) -> None:
+    """RequestFailed (a ValueError) naming the first row whose valid `ids` leave
+    [0, vocab_size). The input processor checks every id at admission; this guards callers that
+    bypass it, and names the request so the engine can fail it alone."""
+    bad = (valid > 0) & ((ids < 0) | (ids >= vocab_size))
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        request_id = rows[r].request_id
+        raise RequestFailed(
+            [request_id],
+            f"request {request_id!r}: {what} contains token id {int(ids[r, c])}, "
+            f"expected ids in [0, {vocab_size})",
         )
 
 
@@ -117,9 +144,16 @@ def _pad_rows(lists: list[Sequence[int]], num_rows: int, width: int) -> tuple[np
     ids = np.zeros((num_rows, width), np.int32)
     valid = np.zeros((num_rows, width), np.float32)
     for r, seq in enumerate(lists):
-        ids[r, : len(seq)] = seq
-        valid[r, : len(seq)] = 1.0
+        if seq:
+            ids[r, : len(seq)] = seq
+            valid[r, : len(seq)] = 1.0
     return ids, valid
+
+
+def _column(values: list, num_rows: int, fill, dtype) -> np.ndarray:
+    out = np.full(num_rows, fill, dtype)
+    out[: len(values)] = values
+    return out
 
 
 def make_sampling_metadata(
@@ -134,65 +168,84 @@ def make_sampling_metadata(
 
     Seeded rows draw from a stream keyed by (seed, output position) alone, so their tokens do not
     depend on the batch they share. Unseeded rows use (global_seed, request id, step).
+    Every column is built as one list and converted once: this runs every step for every row.
     """
     if num_rows < len(rows):
         raise ValueError(f"num_rows={num_rows} is smaller than the {len(rows)} rows given")
     if not 0 < vocab_size < MAX_VOCAB_SIZE:
         raise ValueError(f"vocab_size={vocab_size}: expected 0 < vocab_size < {MAX_VOCAB_SIZE}")
     f32, u32 = np.float32, np.uint32
-    greedy = np.ones(num_rows, bool)
-    temperature = np.ones(num_rows, f32)
-    top_k = np.full(num_rows, vocab_size, np.int32)
-    top_p = np.ones(num_rows, f32)
-    min_p = np.zeros(num_rows, f32)
-    presence = np.zeros(num_rows, f32)
-    frequency = np.zeros(num_rows, f32)
-    repetition = np.ones(num_rows, f32)
-    seed_lo = np.zeros(num_rows, u32)
-    seed_hi = np.zeros(num_rows, u32)
-    salt = np.zeros(num_rows, u32)
-    counter = np.zeros(num_rows, u32)
-    stops: list[Sequence[int]] = []
-    biases: list[tuple[tuple[int, float], ...]] = []
-    for r, row in enumerate(rows):
-        p = row.params
-        greedy[r] = p.temperature < GREEDY_TEMPERATURE
-        if not greedy[r]:
-            temperature[r] = p.temperature
-            top_k[r] = vocab_size if p.top_k in (0, -1) else min(p.top_k, vocab_size)
-            top_p[r] = p.top_p
-            min_p[r] = p.min_p
-        presence[r] = p.presence_penalty
-        frequency[r] = p.frequency_penalty
-        repetition[r] = p.repetition_penalty
-        if p.seed is not None:
-            seed = int(p.seed) % (1 << 64)
-            seed_lo[r], seed_hi[r] = seed & 0xFFFFFFFF, seed >> 32
-            counter[r] = len(row.output_token_ids)
-        else:
-            seed = int(global_seed) % (1 << 64)
-            seed_lo[r], seed_hi[r] = seed & 0xFFFFFFFF, seed >> 32
-            salt[r] = _request_salt(row.request_id)
-            counter[r] = step % (1 << 32)
-        stop = tuple(p.stop_token_ids)
-        if row.eos_token_id is not None and not p.ignore_eos:
-            stop += (row.eos_token_id,)
-        stop = stop if len(row.output_token_ids) < p.min_tokens else ()
-        _check_ids("stop_token_ids", row.request_id, stop, vocab_size)
-        stops.append(stop)
-        bias = _bias_pairs(p.logit_bias)
-        _check_ids("logit_bias", row.request_id, [t for t, _ in bias], vocab_size)
-        biases.append(bias)
+    params = [row.params for row in rows]
+    greedy_rows = [p.temperature < GREEDY_TEMPERATURE for p in params]
+    greedy = _column(greedy_rows, num_rows, True, bool)
+    # Greedy rows keep neutral values: temperature 1 (nothing divides by ~0), no top-k/p, min-p.
+    temperature = _column(
+        [1.0 if g else p.temperature for p, g in zip(params, greedy_rows, strict=True)],
+        num_rows,
+        1.0,
+        f32,
+    )
+    top_k = _column(
+        [
+            vocab_size if g or p.top_k in (0, -1) else min(p.top_k, vocab_size)
+            for p, g in zip(params, greedy_rows, strict=True)
+        ],
+        num_rows,
+        vocab_size,
+        np.int32,
+    )
+    top_p = _column(
+        [1.0 if g else p.top_p for p, g in zip(params, greedy_rows, strict=True)],
+        num_rows,
+        1.0,
+        f32,
+    )
+    min_p = _column(
+        [0.0 if g else p.min_p for p, g in zip(params, greedy_rows, strict=True)],
+        num_rows,
+        0.0,
+        f32,
+    )
+    presence = _column([p.presence_penalty for p in params], num_rows, 0.0, f32)
+    frequency = _column([p.frequency_penalty for p in params], num_rows, 0.0, f32)
+    repetition = _column([p.repetition_penalty for p in params], num_rows, 1.0, f32)
+    fallback = int(global_seed) % (1 << 64)
+    seeds = [fallback if p.seed is None else int(p.seed) % (1 << 64) for p in params]
+    seed_lo = _column([seed & 0xFFFFFFFF for seed in seeds], num_rows, 0, u32)
+    seed_hi = _column([seed >> 32 for seed in seeds], num_rows, 0, u32)
+    salt = _column(
+        [
+            0 if p.seed is not None else _request_salt(row.request_id)
+            for p, row in zip(params, rows, strict=True)
+        ],
+        num_rows,
+        0,
+        u32,
+    )
+    counter = _column(
+        [
+            row.num_output_tokens if p.seed is not None else step % (1 << 32)
+            for p, row in zip(params, rows, strict=True)
+        ],
+        num_rows,
+        0,
+        u32,
+    )
+    # While a row is below min_tokens its stop ids and (unless ignore_eos) every EOS id are held back.
+    stops = [
+        (p.stop_token_ids + (() if p.ignore_eos else row.eos_token_ids))
+        if p.min_tokens and row.num_output_tokens < p.min_tokens
+        else ()
+        for p, row in zip(params, rows, strict=True)
+    ]
+    biases = [_bias_pairs(p.logit_bias) for p in params]
 
     needs_penalties = bool(
         np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
     )
     if needs_penalties:
-        prompts = [tuple(row.prompt_token_ids) for row in rows]
-        outputs = [tuple(row.output_token_ids) for row in rows]
-        for row, prompt, output in zip(rows, prompts, outputs, strict=True):
-            _check_ids("prompt_token_ids", row.request_id, prompt, vocab_size)
-            _check_ids("output_token_ids", row.request_id, output, vocab_size)
+        prompts = [row.prompt_token_ids for row in rows]
+        outputs = [row.output_token_ids for row in rows]
     else:
         prompts, outputs = [], []
     prompt_ids, prompt_valid = _pad_rows(
@@ -202,12 +255,20 @@ def make_sampling_metadata(
         outputs, num_rows, _width(max(map(len, outputs), default=0))
     )
     stop_ids, stop_valid = _pad_rows(stops, num_rows, _width(max(map(len, stops), default=0)))
-    bias_ids, _ = _pad_rows(
+    bias_ids, bias_valid = _pad_rows(
         [[t for t, _ in b] for b in biases], num_rows, _width(max(map(len, biases), default=0))
     )
+    for what, ids, valid in (
+        ("stop_token_ids", stop_ids, stop_valid),
+        ("logit_bias", bias_ids, bias_valid),
+        ("prompt_token_ids", prompt_ids, prompt_valid),
+        ("output_token_ids", output_ids, output_valid),
+    ):
+        _check_ids(what, rows, ids, valid, vocab_size)
     bias_values = np.zeros(bias_ids.shape, f32)
     for r, b in enumerate(biases):
-        bias_values[r, : len(b)] = [v for _, v in b]
+        if b:
+            bias_values[r, : len(b)] = [v for _, v in b]
     sampling = ~greedy[: len(rows)]
     return SamplingMetadata(
         greedy=greedy,

@@ -37,7 +37,7 @@ def request(
         request_id,
         prompt,
         SamplingParams(max_tokens=max_tokens, **params),
-        eos_token_id=eos,
+        eos_token_ids=() if eos is None else (eos,),
         arrival_time=arrival,
         priority=priority,
         mm_inputs=mm,

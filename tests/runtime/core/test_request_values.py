@@ -91,7 +91,7 @@ def test_request_normalises_and_reports_counts():
         ({"prompt_token_ids": ()}, "at least one token"),
         ({"prompt_token_ids": (1, -2)}, "prompt_token_ids"),
         ({"sampling_params": {}}, "sampling_params"),
-        ({"eos_token_id": -1}, "eos_token_id"),
+        ({"eos_token_ids": (2, -1)}, "eos_token_ids"),
         ({"priority": 1.5}, "priority"),
         ({"arrival_time": float("inf")}, "arrival_time"),
         ({"num_computed_tokens": 5}, "num_computed_tokens"),

@@ -43,7 +43,7 @@ def alone(request: Request) -> tuple[tuple[int, ...], FinishReason]:
         out.append(token)
         total = len(request.prompt_token_ids) + len(out)
         if len(out) >= params.min_tokens and (
-            (token == request.eos_token_id and not params.ignore_eos)
+            (token in request.eos_token_ids and not params.ignore_eos)
             or token in params.stop_token_ids
         ):
             return tuple(out), FinishReason.STOP
@@ -102,7 +102,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ignore_eos=ignore_eos,
                 stop_token_ids=stop_ids,
             ),
-            eos_token_id=EOS,
+            eos_token_ids=(EOS,),
             arrival_time=float(self.arrivals),
             priority=priority,
             mm_inputs=mm,

@@ -26,8 +26,8 @@ def _md(rows, num_rows=None, step=0, global_seed=1234):
     )
 
 
-def _row(params, rid="r", prompt=(1, 2), output=(), eos=None):
-    return SamplingRow(rid, params, tuple(prompt), tuple(output), eos)
+def _row(params, rid="r", prompt=(1, 2), output=(), eos=()):
+    return SamplingRow(rid, params, tuple(prompt) + tuple(output), len(prompt), eos)
 
 
 def _softmax(x):
@@ -97,7 +97,7 @@ def test_top_k_and_top_p_never_leave_their_set():
 
 def test_penalties_bias_and_min_tokens_match_numpy():
     rng = np.random.default_rng(2)
-    eos = 7
+    eos = (7, 12)  # every EOS id is held back below min_tokens
     cases = [
         (SamplingParams(repetition_penalty=1.3), (3, 4, 4), (5, 3)),
         (SamplingParams(frequency_penalty=0.7), (3, 9), (5, 5, 5, 6)),
@@ -121,7 +121,7 @@ def test_penalties_bias_and_min_tokens_match_numpy():
     for i, (p, prompt, output) in enumerate(cases):
         x = logits[i].astype(np.float64)
         if len(output) < p.min_tokens:
-            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else [eos])
+            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
             x[stop] = -np.inf
         for t, b in p.logit_bias or ():
             x[t] += b
@@ -249,3 +249,8 @@ def test_bad_input_is_rejected_with_clear_errors():
     with pytest.raises(ValueError, match="logits shape"):
         sample(np.zeros((2, V), np.float32), _md([_row(SamplingParams())]))
     assert [logprobs_bucket(n) for n in (None, 0, 1, 5, 6, 20, 21)] == [None, 0, 5, 5, 20, 20, 32]
+    # Never wider than the vocabulary: top-k of more than V entries does not exist.
+    assert [logprobs_bucket(n, vocab_size=V) for n in (6, 21, 32)] == [20, 32, 32]
+    assert logprobs_bucket(6, vocab_size=16) == 16
+    with pytest.raises(ValueError, match="num_logprobs=17 exceeds the vocabulary size 16"):
+        logprobs_bucket(17, vocab_size=16)
