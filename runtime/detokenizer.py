@@ -6,6 +6,13 @@ window starts where the previous emission ended, at a character boundary, so for
 tokenizers the emitted text is always a prefix of decode(output ids), and equal to it once the
 request finishes. A few prompt tokens seed the window so tokenizers that strip a leading space on
 the first decoded token (SentencePiece) still space the first output token correctly.
+
+The window is bounded, so each token costs a bounded amount of decoding. vLLM 0.33's offsets (and
+tokenizers' DecodeStream) hold every token while the text ends in U+FFFD, so a model emitting a
+run of bytes that never completes a character gets its whole run re-decoded at every step
+(quadratic). Here a held run longer than _MAX_HELD tokens is cut _CUT_TAIL tokens from its end
+when nothing straddles the cut (see _cut); skipped special tokens, which decode to nothing, never
+enter the window.
 """
 
 from __future__ import annotations
@@ -17,6 +24,11 @@ from runtime.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 5
 _INCOMPLETE = "\ufffd"
+# A character is at most 4 bytes, so 4 tokens after a cut (each at least a byte) always decide
+# the character the cut may split.
+_CUT_TAIL = 4
+# Held tokens before a cut is tried; a few more than _CUT_TAIL so a cut emits a batch of text.
+_MAX_HELD = 16
 
 
 def find_stop_string(
@@ -47,6 +59,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
+        # decode(skip_special_tokens=True) drops these before decoding: the window can too.
+        self._skipped = tokenizer.all_special_ids if self._skip_special else frozenset()
         self._stop = tuple(params.stop)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -69,11 +83,30 @@ class IncrementalDetokenizer:
     def _next_text(self, flush: bool) -> str:
         prefix_text = self._decode(self._window[self._prefix : self._read])
         text = self._decode(self._window[self._prefix :])
-        if len(text) <= len(prefix_text) or (text.endswith(_INCOMPLETE) and not flush):
+        if len(text) > len(prefix_text) and (flush or not text.endswith(_INCOMPLETE)):
+            return self._emit(len(self._window), text, prefix_text)
+        if len(self._window) - self._read > _MAX_HELD:
+            return self._cut(text, prefix_text)
+        return ""
+
+    def _cut(self, text: str, prefix_text: str) -> str:
+        """Emit a long held run up to _CUT_TAIL tokens from its end, if that part's text is final:
+        the tail decodes to text of its own and head + tail decode to exactly the whole window.
+        A character split by the cut would decode differently in two halves (a completed one, or
+        one still open, shows up as extra U+FFFDs), so equality means the tail's first bytes
+        ended the head's last character, and no later token can change the head's text."""
+        cut = len(self._window) - _CUT_TAIL
+        head = self._decode(self._window[self._prefix : cut])
+        tail = self._decode(self._window[cut:])
+        if not tail or head + tail != text or not head.startswith(prefix_text):
             return ""
-        # Keep only the just-emitted segment as decode context: the window stays short.
+        return self._emit(cut, head, prefix_text)
+
+    def _emit(self, end: int, text: str, prefix_text: str) -> str:
+        """The text of window[read:end], which then becomes the only decode context: the window
+        keeps one emitted segment and what is still held."""
         self._window = self._window[self._read :]
-        self._prefix, self._read = 0, len(self._window)
+        self._prefix, self._read = 0, end - self._read
         return text[len(prefix_text) :]
 
     def update(
@@ -90,6 +123,8 @@ class IncrementalDetokenizer:
         check_from = len(self.output_text)
         for token in new_token_ids:
             self.token_ids.append(token)
+            if token in self._skipped:
+                continue
             self._window.append(token)
             self.output_text += self._next_text(flush=False)
             if len(self.token_ids) <= self._min_tokens:

@@ -93,6 +93,12 @@ class KVJobs:
     stored: Map
     storing: Map  # hash -> id of the store job writing it, so it is not planned twice
     loading: Map  # request id -> its load job id, while the request waits for it
+    # request id -> (its ended LoadJob, ok): the load ended and the request, still holding the
+    # blocks, waits for the scheduler to take it up (vLLM's finished_recving_kv_req_ids).
+    arrived: Map
+    # Requests that left the waiting queue to load KV, in the order the scheduler takes them up
+    # (vLLM's kv_holding_waiting): loading, arrived, or taken up but not yet admitted.
+    holding: tuple[str, ...]
     # request id -> how many leading blocks of its table were already offered to plan_store.
     store_cursor: Map
     stats: OffloadStats
@@ -106,6 +112,8 @@ def make_kv_jobs() -> KVJobs:
         stored=empty,
         storing=empty,
         loading=empty,
+        arrived=empty,
+        holding=(),
         store_cursor=empty,
         stats=OffloadStats(),
     )
@@ -281,12 +289,14 @@ def end_job(jobs: KVJobs, kv: KVCache, result: KVJobResult) -> tuple[KVJobs, KVC
 def detach_request(jobs: KVJobs, req_id: str) -> KVJobs:
     """The request finished or was preempted: its jobs keep their pins, but a load no longer
     feeds it and its store cursor is dropped, so a later request with the same id starts afresh."""
-    if req_id not in jobs.loading and req_id not in jobs.store_cursor:
+    loading, arrived, cursor = jobs.loading, jobs.arrived, jobs.store_cursor
+    if req_id not in loading and req_id not in cursor and req_id not in jobs.holding:
         return jobs
-    loading, cursor = jobs.loading, jobs.store_cursor
     return replace(
         jobs,
         loading=loading.delete(req_id) if req_id in loading else loading,
+        arrived=arrived.delete(req_id) if req_id in arrived else arrived,
+        holding=tuple(r for r in jobs.holding if r != req_id),
         store_cursor=cursor.delete(req_id) if req_id in cursor else cursor,
     )
 

@@ -9,6 +9,8 @@ only if nothing was preempted this step.
 the scheduled tokens once the runner has computed them.
 """
 
+from dataclasses import replace
+
 from runtime.core import block_pool as bp
 from runtime.core import encoder_cache as ec
 from runtime.core import kv_cache as kvc
@@ -19,7 +21,13 @@ from runtime.core.encoder_scheduling import (
 )
 from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
 from runtime.core.request import Request, RequestStatus, evolve
-from runtime.core.scheduler_kv_jobs import plan_loads, plan_stores
+from runtime.core.scheduler_kv_jobs import (
+    blocks_to_finish,
+    plan_stores,
+    start_load,
+    stored_beyond,
+    take_up_load,
+)
 from runtime.core.scheduler_state import (
     SchedulerError,
     SchedulerState,
@@ -42,7 +50,9 @@ class _Step:
         "config",
         "encoder",
         "encoder_budget",
+        "jobs",
         "kv",
+        "loads",
         "new_blocks",
         "num_scheduled",
         "preempted",
@@ -60,10 +70,15 @@ class _Step:
         self.changed: dict[str, Request] = {}
         self.running = list(state.running)
         self.waiting = state.waiting
+        # KV jobs (None without a KV store) and the loads started this step.
+        self.jobs = state.kv_jobs
+        self.loads: list = []
         self.token_budget = state.config.max_num_batched_tokens
         # The long-prefill cap keeps one prefill from starving the others; with a single
-        # request there is nobody to starve (vLLM lifts it then too).
-        many = len(state.running) + len(state.waiting) > 1
+        # request there is nobody to starve (vLLM lifts it then too; requests holding blocks
+        # for a KV load count as waiting there).
+        holding = state.kv_jobs.holding if state.kv_jobs is not None else ()
+        many = len(state.running) + len(state.waiting) + len(holding) > 1
         self.threshold = state.config.long_prefill_token_threshold if many else 0
         self.encoder_budget = state.config.encoder_compute_budget
         # Running requests scheduled this step, in order: tokens and freshly appended blocks.
@@ -84,12 +99,11 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
             f"schedule: the output of step {state.awaiting_update} has not been applied; call "
             "update() with it (and the runner's output) before scheduling the next step"
         )
-    state, loads = plan_loads(state)
     step = _Step(state)
     _schedule_running(step)
     if not step.preempted:
         _schedule_waiting(step)
-    return plan_stores(*_finish(state, step), loads)
+    return plan_stores(*_finish(state, step), tuple(step.loads))
 
 
 def _num_new_tokens(step: _Step, request: Request, num_computed: int) -> int:
@@ -211,66 +225,154 @@ def _preempt(step: _Step, request_id: str) -> None:
     step.preempted.append(request_id)
 
 
+# What _admit did with a request taken from a queue.
+_ADMITTED, _PASSED, _LOADING, _STOP = "admitted", "passed", "loading", "stop"
+
+
 def _schedule_waiting(step: _Step) -> None:
+    """vLLM's waiting loop. With a KV store, the requests that left the waiting queue to load KV
+    (`kv_jobs.holding`, vLLM's kv_holding_waiting) are taken up first, in order: one still
+    loading keeps its place, one whose load arrived is admitted with what the load brought.
+    Then the waiting queue, head first. Neither kind of request counts against max_num_seqs
+    before it is admitted."""
     config = step.config
+    holding = step.jobs.holding if step.jobs is not None else ()
     waiting = step.waiting
-    position = 0
-    # Requests passed over this step (an encoder input they need cannot run yet); they keep
-    # their place at the head of the queue, so they do not stall the requests behind them.
+    next_holding = next_waiting = 0
+    # Requests that keep their place at the head of their queue this step: still loading, just
+    # started a load (they join `holding`), or passed over (an encoder input they need cannot
+    # run yet, so they do not stall the requests behind them).
+    kept: list[str] = []
     passed: list[str] = []
-    while (
-        position < len(waiting)
-        and step.token_budget > 0
-        and len(step.running) < config.max_num_seqs
-    ):
-        request_id = waiting[position]
-        request = step.get(request_id)
-        # A request asking for prompt logprobs computes every prompt position (vLLM's
-        # skip_reading_prefix_cache); its full blocks are still cached as they fill.
-        if request.skip_reading_prefix_cache:
-            prefix = kvc.NO_PREFIX
+    while step.token_budget > 0 and len(step.running) < config.max_num_seqs:
+        if next_holding < len(holding):
+            request_id = holding[next_holding]
+            next_holding += 1
+            if request_id in step.jobs.loading:
+                kept.append(request_id)
+                continue
+            request = step.get(request_id)
+            if request_id in step.jobs.arrived:
+                step.jobs, step.kv, request = take_up_load(step.jobs, step.kv, request)
+                step.changed[request_id] = request
+            outcome = _admit(step, request, (*kept, *holding[next_holding:]))
+            if outcome is _STOP:
+                next_holding -= 1
+                break
+            if outcome is not _ADMITTED:
+                kept.append(request_id)
+        elif next_waiting < len(waiting):
+            request_id = waiting[next_waiting]
+            next_waiting += 1
+            outcome = _admit(step, step.get(request_id), kept)
+            if outcome is _STOP:
+                next_waiting -= 1
+                break
+            if outcome is _PASSED:
+                passed.append(request_id)
+            elif outcome is _LOADING:
+                kept.append(request_id)
         else:
-            prefix = kvc.find_cached_prefix(step.kv, request)
+            break
+    if passed or next_waiting:
+        step.waiting = (*passed, *waiting[next_waiting:])
+    if kept or next_holding:
+        queue = (*kept, *holding[next_holding:])
+        if config.policy == "priority":
+            queue = tuple(sorted(queue, key=lambda rid: priority_key(step.get(rid))))
+        step.jobs = replace(step.jobs, holding=queue)
+
+
+def _admit(step: _Step, request: Request, holding: tuple[str, ...] | list[str]) -> str:
+    """Admit one request taken from a queue, or start its KV load, or pass it over; _STOP when
+    it does not fit (vLLM stops the whole loop then). `holding`: the other requests holding or
+    loading blocks, whose remaining blocks a load must leave free."""
+    config = step.config
+    request_id = request.request_id
+    held = step.kv.tables.get(request_id)
+    if held is not None:
+        # It holds the blocks its load brought (vLLM: num_computed_tokens > 0 while waiting).
+        prefix = kvc.NO_PREFIX
+        computed = request.num_computed_tokens
+    else:
+        # A request asking for prompt logprobs computes every prompt position (vLLM's
+        # skip_reading_prefix_cache): no prefix-cache hit, no load; its full blocks are still
+        # cached as they fill.
+        skip = request.skip_reading_prefix_cache
+        prefix = kvc.NO_PREFIX if skip else kvc.find_cached_prefix(step.kv, request)
         computed = prefix.num_tokens
-        num_new = _num_new_tokens(step, request, computed)
-        if not config.enable_chunked_prefill and num_new > step.token_budget:
-            break
-        num_new = min(num_new, step.token_budget)
-        encoder, taken, num_new, encoder_budget = plan_encoder_inputs(
-            step.encoder, step.encoder_budget, request, computed, num_new
-        )
-        if num_new == 0:
-            passed.append(request_id)
-            position += 1
-            continue
-        if config.reserve_full_sequence and not _whole_sequence_fits(step.kv, request, prefix):
-            break
-        result = kvc.allocate_slots(
-            step.kv, request_id, num_new, 0, prefix.blocks, block_hashes=request.block_hashes
-        )
-        if not isinstance(result, kvc.Allocated):
-            break
-        step.kv = result.state
-        position += 1
-        step.running.append(request_id)
-        step.changed[request_id] = evolve(
-            request, status=RequestStatus.RUNNING, num_computed_tokens=computed
-        )
-        step.admitted.append((request_id, request.status is RequestStatus.PREEMPTED, num_new))
-        step.token_budget -= num_new
-        step.encoder, step.encoder_budget = encoder, encoder_budget
-    step.waiting = (*passed, *waiting[position:]) if passed else waiting[position:]
+        if step.jobs is not None and not skip:
+            num_remote = stored_beyond(step.jobs, request, prefix, config.block_size)
+            if num_remote:
+                return _load(step, request, prefix, num_remote, holding)
+    num_new = _num_new_tokens(step, request, computed)
+    if not config.enable_chunked_prefill and num_new > step.token_budget:
+        return _STOP
+    num_new = min(num_new, step.token_budget)
+    encoder, taken, num_new, encoder_budget = plan_encoder_inputs(
+        step.encoder, step.encoder_budget, request, computed, num_new
+    )
+    if num_new == 0:
+        return _PASSED
+    if config.reserve_full_sequence and not _whole_sequence_fits(step.kv, request, prefix):
+        return _STOP
+    result = kvc.allocate_slots(
+        step.kv,
+        request_id,
+        num_new,
+        computed if held is not None else 0,
+        prefix.blocks,
+        block_hashes=request.block_hashes,
+    )
+    if not isinstance(result, kvc.Allocated):
+        return _STOP
+    step.kv = result.state
+    step.running.append(request_id)
+    step.changed[request_id] = evolve(
+        request, status=RequestStatus.RUNNING, num_computed_tokens=computed
+    )
+    step.admitted.append((request_id, request.status is RequestStatus.PREEMPTED, num_new))
+    step.token_budget -= num_new
+    step.encoder, step.encoder_budget = encoder, encoder_budget
+    return _ADMITTED
+
+
+def _load(
+    step: _Step,
+    request: Request,
+    prefix: kvc.CachedPrefix,
+    num_remote: int,
+    holding: tuple[str, ...] | list[str],
+) -> str:
+    """vLLM's async-load admission: the whole sequence must fit the free blocks (as any
+    admission), and the blocks the load takes now must leave free what the requests already
+    prefilling or loading still need."""
+    if step.config.reserve_full_sequence and not _whole_sequence_fits(step.kv, request, prefix):
+        return _STOP
+    kv = step.kv
+    reserved = sum(blocks_to_finish(kv, step.get(rid)) for rid in step.running) + sum(
+        blocks_to_finish(kv, step.get(rid)) for rid in holding
+    )
+    started = start_load(step.jobs, kv, request, prefix, num_remote, reserved)
+    if started is None:
+        return _STOP
+    step.jobs, step.kv, job = started
+    step.changed[request.request_id] = evolve(request, status=RequestStatus.WAITING_FOR_REMOTE_KV)
+    step.loads.append(job)
+    return _LOADING
 
 
 def _whole_sequence_fits(kv: kvc.KVCache, request: Request, prefix: kvc.CachedPrefix) -> bool:
     """vLLM's admission check (scheduler_reserve_full_isl): every token the request has must
     fit in the free blocks, not only this step's chunk, so that admitting it does not soon
-    force a preemption. A prefix-hit block that is free leaves the free list when touched."""
+    force a preemption. A prefix-hit block that is free leaves the free list when touched;
+    blocks it holds already (after a KV load) count as its own."""
     pool = kv.pool
     block_size = pool.block_size
     num_tokens = min(request.num_tokens, kv.max_model_len)
     revived = sum(1 for block in prefix.blocks if bp.ref_count(pool, block) == 0)
-    needed = -(-num_tokens // block_size) - len(prefix.blocks) + revived
+    held = len(kv.tables.get(request.request_id, ()))
+    needed = -(-num_tokens // block_size) - len(prefix.blocks) - held + revived
     return needed <= kvc.num_free_blocks(kv)
 
 
@@ -357,6 +459,6 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         step=state.step + 1,
         finished_since_last=(),
         awaiting_update=state.step,
-        kv_jobs=state.kv_jobs,
+        kv_jobs=step.jobs,
     )
     return new_state, output

@@ -21,24 +21,33 @@ def _require(ok: bool, message: str) -> None:
 def check_state(state: SchedulerState) -> None:
     """Raise AssertionError naming the first broken invariant of `state`."""
     config = state.config
-    # Requests waiting for a KV load hold a table but sit in neither queue (scheduler_kv_jobs).
+    # Requests that left the waiting queue for a KV load sit in `kv_jobs.holding` (scheduler_kv_jobs).
     jobs = state.kv_jobs
-    loading = frozenset(jobs.loading) if jobs is not None else frozenset()
+    holding = jobs.holding if jobs is not None else ()
     kvc.check_invariants(state.kv, extra_holders=kj.pins(jobs) if jobs is not None else ())
     ec.check_invariants(state.encoder)
     waiting, running = state.waiting, state.running
     _require(len(set(waiting)) == len(waiting), f"waiting repeats ids: {waiting}")
     _require(len(set(running)) == len(running), f"running repeats ids: {running}")
     _require(not set(waiting) & set(running), f"ids both waiting and running: {waiting} {running}")
+    _require(len(set(holding)) == len(holding), f"holding repeats ids: {holding}")
     _require(
-        set(waiting) | set(running) | loading == set(state.requests),
-        f"queued ids {sorted(set(waiting) | set(running))} != requests {sorted(state.requests)}",
+        not set(holding) & (set(waiting) | set(running)),
+        f"ids both holding and queued: {holding} {waiting} {running}",
+    )
+    queued = set(waiting) | set(running) | set(holding)
+    _require(
+        queued == set(state.requests),
+        f"queued ids {sorted(queued)} != requests {sorted(state.requests)}",
     )
     _require(len(running) <= config.max_num_seqs, f"{len(running)} running > max_num_seqs")
+    holders = set(running) | {rid for rid in holding if kvc.has_request(state.kv, rid)}
     _require(
-        set(state.kv.tables) == set(running) | loading,
-        f"block tables {sorted(state.kv.tables)} != running {sorted(running)}",
+        set(state.kv.tables) == holders,
+        f"block tables {sorted(state.kv.tables)} != running and holding {sorted(holders)}",
     )
+    if jobs is not None:
+        _check_holding(state)
     for request_id in waiting:
         request = state.requests[request_id]
         _require(
@@ -82,6 +91,52 @@ def check_state(state: SchedulerState) -> None:
                 f"encoder entry {content_hash!r} referenced by {(request_id, position)}, which is "
                 "not a running request's input with that hash",
             )
+
+
+def _check_holding(state: SchedulerState) -> None:
+    """Requests holding blocks for a KV load: loading, arrived, or taken up and not yet admitted
+    (then holding the loaded blocks as cached and computed), or dropped after a failed load."""
+    jobs, kv, block_size = state.kv_jobs, state.kv, state.config.block_size
+    loading, arrived = set(jobs.loading), set(jobs.arrived)
+    _require(
+        loading | arrived <= set(jobs.holding) and not loading & arrived,
+        f"loading {sorted(loading)} and arrived {sorted(arrived)}: not disjoint parts of holding",
+    )
+    for request_id in jobs.holding:
+        request = state.requests[request_id]
+        table = kv.tables.get(request_id)
+        job = jobs.in_flight.get(jobs.loading[request_id]) if request_id in loading else None
+        if request_id in arrived:
+            job = jobs.arrived[request_id][0]
+        if job is not None:
+            # A loaded request keeps the blocks its load writes until the scheduler takes it up.
+            first = job.first_token // block_size
+            _require(
+                request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+                and request.num_computed_tokens == 0
+                and table is not None
+                and table[first:] == job.block_ids
+                and kv.num_cached[request_id] == first,
+                f"holding {request_id!r} ({request.status.name}): table {table} does not end "
+                f"with the unregistered blocks {job.block_ids} of its load {job.job_id}",
+            )
+            continue
+        _require(
+            request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            and (table is not None) == (request.num_computed_tokens > 0),
+            f"holding {request_id!r}: status {request.status.name}, "
+            f"{request.num_computed_tokens} computed, table {table}",
+        )
+        if table is not None:
+            _require(
+                request.num_computed_tokens == len(table) * block_size <= request.num_tokens - 1
+                and kv.num_cached[request_id] == len(table),
+                f"holding {request_id!r}: {request.num_computed_tokens} computed of "
+                f"{request.num_tokens} tokens but {len(table)} loaded cached blocks",
+            )
+    if state.config.policy == "priority":
+        keys = [priority_key(state.requests[rid]) for rid in jobs.holding]
+        _require(keys == sorted(keys), f"priority holding queue out of order: {jobs.holding}")
 
 
 def check_output(before: SchedulerState, after: SchedulerState, output: SchedulerOutput) -> None:
@@ -163,3 +218,14 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
             request_id in after.requests or not kvc.has_request(after.kv, request_id),
             f"finished {request_id!r} still holds blocks",
         )
+        _require(
+            not any(isinstance(job, kj.LoadJob) for job in output.kv_jobs),
+            "a KV load started in a step that preempted (only the waiting loop starts loads)",
+        )
+    for job in output.kv_jobs:
+        if isinstance(job, kj.LoadJob):
+            _require(
+                job.req_id in after.kv_jobs.holding
+                and after.kv_jobs.loading.get(job.req_id) == job.job_id,
+                f"load {job.job_id} started for {job.req_id!r}, which is not holding for it",
+            )

@@ -1,16 +1,21 @@
-"""The scheduler's KV-job hooks: plan loads and stores in schedule(), apply job ends in update().
+"""The scheduler's KV-job hooks: loads in schedule()'s waiting loop, stores after it, job ends
+in update().
 
-Kept apart from the scheduler proper: with `state.kv_jobs is None` (no KV store) every hook is
-the identity. The lifecycle of a request with a load:
-- schedule: a waiting request whose prefix the store holds beyond the local prefix-cache hit gets
-  a block table (local hit + blocks for the stored run, not yet registered as cached) and a load
-  job pinning the new blocks; it leaves the waiting queue with status WAITING_FOR_REMOTE_KV;
-- update: when the load ends, a success registers the loaded blocks under their hashes; either
-  way the request drops its table and goes back to the head of the queue, to be admitted by the
-  ordinary path, which now finds the loaded blocks as a local prefix hit (or, after a failure,
-  recomputes those tokens).
+Kept apart from the scheduler proper: with `state.kv_jobs is None` (no KV store) none of this
+runs. The lifecycle of a request with a load, as vLLM 0.33's connector path:
+- schedule (waiting loop, vLLM order): a waiting request whose prefix the store holds beyond its
+  local prefix-cache hit gets a block table (local hit + blocks for the stored run, not yet
+  registered as cached) and a load job pinning the new blocks, if they fit beside what requests
+  already prefilling or loading still need. It moves to `kv_jobs.holding` with status
+  WAITING_FOR_REMOTE_KV; it takes no running slot and no token budget;
+- update: the load's end is noted in `kv_jobs.arrived`; the request keeps its blocks;
+- schedule: the waiting loop takes up `holding` before the waiting queue. A request whose load
+  arrived registers the loaded blocks as cached and counts them computed (or, after a failure,
+  drops its blocks and is admitted afresh), then is admitted like any other, keeping its place
+  in `holding` until it is. No other request can take its blocks in between.
 Stores: every step, the blocks of running requests that became full (hashed) since the last step
 are stored, so a request that finishes or is preempted has all its full blocks stored or storing.
+A request that skips reading the prefix cache (prompt logprobs) loads nothing, but is stored.
 """
 
 from dataclasses import replace
@@ -20,16 +25,19 @@ from runtime.core import kv_cache as kvc
 from runtime.core import kv_jobs as kj
 from runtime.core.kv_jobs import KVJobResult, LoadJob
 from runtime.core.outputs import SchedulerOutput
-from runtime.core.request import RequestStatus, evolve
-from runtime.core.scheduler_state import SchedulerError, SchedulerState, with_waiting
+from runtime.core.request import Request, RequestStatus, evolve
+from runtime.core.scheduler_state import SchedulerError, SchedulerState
 
 __all__ = [
     "apply_kv_job_results",
+    "blocks_to_finish",
     "detach_finished",
     "enable_kv_jobs",
     "has_pending_kv_jobs",
-    "plan_loads",
     "plan_stores",
+    "start_load",
+    "stored_beyond",
+    "take_up_load",
 ]
 
 
@@ -50,50 +58,84 @@ def has_pending_kv_jobs(state: SchedulerState) -> bool:
     return state.kv_jobs is not None and kj.has_jobs_in_flight(state.kv_jobs)
 
 
-def plan_loads(state: SchedulerState) -> tuple[SchedulerState, tuple[LoadJob, ...]]:
-    """Start loads for waiting requests whose stored prefix reaches past their local hit."""
-    jobs = state.kv_jobs
-    if jobs is None or not jobs.stored or not state.waiting:
-        return state, ()
-    config = state.config
-    block_size = config.block_size
-    slots = config.max_num_seqs - len(state.running) - len(jobs.loading)
-    kv, requests, loads, started = state.kv, state.requests, [], set()
-    for request_id in state.waiting[: max(0, slots)]:
-        request = requests[request_id]
-        if request.skip_reading_prefix_cache:
-            continue  # it reads nothing back: neither the local cache nor the store (as vLLM)
-        hit = kvc.find_cached_prefix(kv, request)
-        max_blocks = (request.num_tokens - 1) // block_size
-        num_remote = kj.stored_run(jobs, request.block_hashes, len(hit.blocks), max_blocks)
-        if num_remote == 0:
-            continue
-        # Leave one free block per running request, so loads do not force preemptions.
-        revived = sum(1 for b in hit.blocks if bp.is_free(kv.pool, b))
-        if kvc.num_free_blocks(kv) - num_remote - revived < len(state.running):
-            break
-        result = kvc.allocate_slots(kv, request_id, num_remote * block_size, 0, hit.blocks)
-        if not isinstance(result, kvc.Allocated):
-            break
-        first = len(hit.blocks)
-        table = kvc.blocks_of(result.state, request_id)
-        jobs, kv, job = kj.plan_load(
-            jobs,
-            result.state,
-            request_id,
-            table[first : first + num_remote],
-            request.block_hashes[first : first + num_remote],
-            hit.num_tokens,
+def stored_beyond(jobs: kj.KVJobs, request: Request, hit: kvc.CachedPrefix, block_size: int) -> int:
+    """How many blocks past the local hit the store holds in a row (what a load would bring),
+    leaving the last token to compute, as a local hit does."""
+    if not jobs.stored:
+        return 0
+    max_blocks = (request.num_tokens - 1) // block_size
+    return kj.stored_run(jobs, request.block_hashes, len(hit.blocks), max_blocks)
+
+
+def blocks_to_finish(kv: kvc.KVCache, request: Request) -> int:
+    """Blocks the request still lacks to hold all its tokens (vLLM's _request_remaining_blocks)."""
+    table = kv.tables.get(request.request_id, ())
+    num_tokens = min(request.num_tokens, kv.max_model_len)
+    return max(0, -(-num_tokens // kv.pool.block_size) - len(table))
+
+
+def start_load(
+    jobs: kj.KVJobs,
+    kv: kvc.KVCache,
+    request: Request,
+    hit: kvc.CachedPrefix,
+    num_remote: int,
+    reserved: int,
+) -> tuple[kj.KVJobs, kvc.KVCache, LoadJob] | None:
+    """Give the request its local hit plus `num_remote` blocks for the stored run, and a job
+    loading them; None if those blocks do not fit beside the `reserved` ones (vLLM's
+    reserved_blocks: what requests already prefilling or loading still need, so a load, which
+    holds its blocks without progress, cannot starve them)."""
+    request_id = request.request_id
+    revived = sum(1 for block in hit.blocks if bp.is_free(kv.pool, block))
+    if num_remote + revived > kvc.num_free_blocks(kv) - reserved:
+        return None
+    block_size = kv.pool.block_size
+    # No block hashes: the loaded blocks are registered once their KV has arrived.
+    result = kvc.allocate_slots(kv, request_id, num_remote * block_size, 0, hit.blocks)
+    if not isinstance(result, kvc.Allocated):
+        raise SchedulerError(
+            f"start_load({request_id!r}): {num_remote} + {revived} blocks fit the free count "
+            f"but allocate_slots refused them ({result})"
         )
-        requests = requests.set(
-            request_id, evolve(request, status=RequestStatus.WAITING_FOR_REMOTE_KV)
+    first = len(hit.blocks)
+    table = kvc.blocks_of(result.state, request_id)
+    return kj.plan_load(
+        jobs,
+        result.state,
+        request_id,
+        table[first : first + num_remote],
+        request.block_hashes[first : first + num_remote],
+        hit.num_tokens,
+    )
+
+
+def take_up_load(
+    jobs: kj.KVJobs, kv: kvc.KVCache, request: Request
+) -> tuple[kj.KVJobs, kvc.KVCache, Request]:
+    """The request's load ended (vLLM's _update_waiting_for_remote_kv): after a success the
+    loaded blocks become cached prefix blocks and count as computed; after a failure the request
+    drops its blocks and is admitted afresh, recomputing what the load would have brought."""
+    request_id = request.request_id
+    job, ok = jobs.arrived[request_id]
+    jobs = replace(jobs, arrived=jobs.arrived.delete(request_id))
+    status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+    if not ok:
+        return jobs, kvc.free(kv, request_id), evolve(request, status=status)
+    table = kvc.blocks_of(kv, request_id)
+    first = job.first_token // kv.pool.block_size
+    if table[first:] != job.block_ids or kv.num_cached[request_id] != first:
+        raise SchedulerError(
+            f"take_up_load({request_id!r}): table {table} with {kv.num_cached[request_id]} "
+            f"cached blocks does not end with load {job.job_id}'s blocks {job.block_ids}"
         )
-        loads.append(job)
-        started.add(request_id)
-    if not loads:
-        return state, ()
-    waiting = tuple(r for r in state.waiting if r not in started)
-    return replace(state, kv=kv, requests=requests, waiting=waiting, kv_jobs=jobs), tuple(loads)
+    kv = replace(
+        kv,
+        pool=bp.cache_blocks(kv.pool, job.block_ids, job.block_hashes),
+        num_cached=kv.num_cached.set(request_id, len(table)),
+    )
+    computed = len(table) * kv.pool.block_size
+    return jobs, kv, evolve(request, status=status, num_computed_tokens=computed)
 
 
 def plan_stores(
@@ -137,29 +179,18 @@ def detach_finished(state: SchedulerState, request_ids) -> kj.KVJobs | None:
 
 
 def apply_kv_job_results(state: SchedulerState, results: tuple[KVJobResult, ...]) -> SchedulerState:
-    """Apply the ends the shell reported: unpin, record what is stored, release waiting loads."""
+    """Apply the ends the shell reported: unpin, record what is stored, note arrived loads (the
+    request keeps its blocks; the next schedule() takes it up)."""
     if not results:
         return state
     jobs = state.kv_jobs
     if jobs is None:
         raise SchedulerError("KV job results given, but KV jobs are not enabled")
-    kv, requests, released = state.kv, state.requests, []
+    kv, arrived = state.kv, jobs.arrived
     for result in results:
         job = jobs.in_flight.get(result.job_id)
         owned = isinstance(job, LoadJob) and jobs.loading.get(job.req_id) == job.job_id
         jobs, kv, job = kj.end_job(jobs, kv, result)
-        if not owned:
-            continue
-        request = requests[job.req_id]
-        if result.ok:
-            # The blocks now hold the stored KV: make them a prefix-cache hit, then let the
-            # request go; the ordinary admission path picks them up.
-            kv = replace(kv, pool=bp.cache_blocks(kv.pool, job.block_ids, job.block_hashes))
-        kv = kvc.free(kv, job.req_id)
-        status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
-        requests = requests.set(job.req_id, evolve(request, status=status))
-        released.append(job.req_id)
-    waiting = state.waiting
-    for request_id in reversed(released):
-        waiting = with_waiting(waiting, requests, request_id, state.config.policy, front=True)
-    return replace(state, kv=kv, requests=requests, waiting=waiting, kv_jobs=jobs)
+        if owned:
+            arrived = arrived.set(job.req_id, (job, result.ok))
+    return replace(state, kv=kv, kv_jobs=replace(jobs, arrived=arrived))

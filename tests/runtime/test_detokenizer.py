@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from runtime.core.request import SamplingParams
 from runtime.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -36,6 +37,19 @@ def test_incremental_equals_full_decode_at_every_step(tok):
     sequences += [rng.integers(0, tok.vocab_size, 40).tolist() for _ in range(30)]
     split = [i for i in sequences[0] if tok.decode([i]).endswith("\ufffd")]
     assert split, "the corpus text should contain characters split across tokens"
+    # Lead-heavy random bytes: long held runs (mostly invalid, some characters completed across
+    # a would-be cut), so held runs get cut, or refused a cut, many times (50 such sequences:
+    # 41 cuts, 6 refusals), and the text must stay a prefix of the full decode through each.
+    byte_ids = [_byte_token(tok, b) for b in [0xE2, 0xF0, 0xC3, *range(0x80, 0xA0)]]
+    weights = np.array([8.0] * 3 + [1.0] * 32)
+    sequences += [rng.choice(byte_ids, 200, p=weights / weights.sum()).tolist() for _ in range(6)]
+    # Inside a run of 0xFF (never valid in UTF-8), at every offset: "づ" (E3 81 A5) completed by
+    # a token that also opens the next character (A5 E3 81), so the text still ends in U+FFFD
+    # and the run is still held. Some cut falls inside the "づ" and must be refused, or the text
+    # would get U+FFFDs where the full decode has the character.
+    split = [_byte_token(tok, b"\xe3\x81"), _byte_token(tok, b"\xa5\xe3\x81")]
+    invalid = _byte_token(tok, 0xFF)
+    sequences += [[invalid] * j + split + [invalid] * 24 for j in range(24)]
     for seq in sequences:
         for skip in (True, False):
             for chunk in (1, 3):
@@ -98,3 +112,60 @@ def test_find_stop_string_only_searches_new_text():
     assert find_stop_string("abcSTOP", 1, ["STOP"], True) == ("STOP", -1)
     assert find_stop_string("abcSTOPx", 2, ["X", "STOP"], True) == ("STOP", 7)
     assert find_stop_string("abc", 0, ["a"], False) is None
+
+
+class CountingDecodes:
+    """The real tokenizer, counting the token ids it is asked to decode (the detokenizer's work)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.ids_decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.ids_decoded += len(ids)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def _byte_token(tok, data):
+    """The id of the byte-level token whose bytes are `data` (an int: one byte), through GPT-2's
+    byte-to-character table."""
+    from tokenizers import pre_tokenizers
+
+    data = bytes([data]) if isinstance(data, int) else data
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord)
+    # printable bytes map to themselves; the rest to U+0100 onwards, in byte order
+    table = {b: chr(b) for b in range(256) if chr(b) in alphabet}
+    table.update({b: chr(256 + i) for i, b in enumerate(x for x in range(256) if x not in table)})
+    token = tok.backend.token_to_id("".join(table[b] for b in data))
+    assert token is not None, f"the default tokenizer has no token for bytes {data.hex()}"
+    return token
+
+
+def test_a_run_that_never_completes_a_character_costs_linear_work(tok):
+    """The scenario that used to be quadratic: while the decoded window ends in U+FFFD the
+    detokenizer held every token and re-decoded the whole run at each step (3000 lone
+    continuation bytes: 4.5 million ids decoded). Now the held run is cut once it is long, at a
+    point nothing straddles, so each token costs a bounded number of decoded ids, and the text
+    still equals the full decode."""
+    n = 3000
+    runs = {
+        "continuation bytes": [_byte_token(tok, 0xA1)] * n,  # never the start of a character
+        "lead bytes": [_byte_token(tok, 0xE2)] * n,  # each cut short by the next one
+        "specials": [0] * n,  # skipped: each decodes to nothing
+    }
+    hello = tok.encode("Hello ", add_special_tokens=False)
+    hf = AutoTokenizer.from_pretrained(tok.path)  # the oracle: how HF decodes the whole sequence
+    for name, run in runs.items():
+        seq = hello + run + tok.encode(" café 🙂", add_special_tokens=False)
+        assert tok.decode(seq) == hf.decode(seq, skip_special_tokens=True)
+        for chunk in (1, 7):
+            counting = CountingDecodes(tok)
+            d = IncrementalDetokenizer(counting, SamplingParams(), prompt_token_ids=[1, 300])
+            for i in range(0, len(seq), chunk):
+                d.update(seq[i : i + chunk], finished=i + chunk >= len(seq))
+            assert d.output_text == tok.decode(seq), name
+            per_token = counting.ids_decoded / len(seq)
+            assert per_token < 100, f"{name}: {per_token:.0f} ids decoded per token"

@@ -8,12 +8,14 @@ reused while a job still needed it shows up as wrong KV in a later computation o
 """
 
 import hashlib
+from dataclasses import replace
 
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from runtime.core import kv_cache as kvc
+from runtime.core import kv_jobs as kj
 from runtime.core import scheduler as sch
 from runtime.core.kv_jobs import KVJobResult, LoadJob, StoreJob
 from runtime.core.request import Request, SamplingParams
@@ -32,9 +34,11 @@ def kv_of(tokens, position) -> bytes:
 
 
 class SchedulerWithJobs(RuleBasedStateMachine):
+    config = CONFIG
+
     def __init__(self) -> None:
         super().__init__()
-        self.state = enable_kv_jobs(sch.make_scheduler(CONFIG))
+        self.state = enable_kv_jobs(sch.make_scheduler(self.config))
         self.device: dict[int, list] = {}  # block id -> KV per slot
         self.store: dict[bytes, list] = {}  # block hash -> KV per slot
         self.started: dict[int, object] = {}  # job id -> job, started by the "shell"
@@ -46,14 +50,34 @@ class SchedulerWithJobs(RuleBasedStateMachine):
     @rule(
         prompt=st.lists(st.integers(0, 1), min_size=1, max_size=10),
         max_tokens=st.integers(1, 4),
+        priority=st.integers(0, 2),
+        prompt_logprobs=st.sampled_from([None, None, None, 1]),
     )
-    def add(self, prompt, max_tokens):
+    def add(self, prompt, max_tokens, priority, prompt_logprobs):
         self.count += 1
         request_id = f"r{self.count % 4}"  # ids are reused once their request finished
         if sch.has_request(self.state, request_id):
             return
-        request = Request(request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens))
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+        request = Request(
+            request_id, tuple(prompt), params, arrival_time=self.count, priority=priority
+        )
         self.state = sch.add_request(self.state, request)
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=BS, max_size=10), data=st.data())
+    def stored_elsewhere(self, tokens, data):
+        """Another engine stored these blocks (or a waiting request's prompt) in a shared store
+        (a Mooncake pool): requests with this prefix load them, often while the local cache
+        holds part of it."""
+        if self.state.waiting and data.draw(st.booleans()):
+            waiting = data.draw(st.sampled_from(self.state.waiting))
+            tokens = self.state.requests[waiting].all_token_ids
+        probe = Request("probe", tuple(tokens))
+        hashes = sch.add_request(sch.make_scheduler(self.config), probe).requests["probe"]
+        for index, block_hash in enumerate(hashes.block_hashes):
+            self.store[block_hash] = [kv_of(tokens, index * BS + k) for k in range(BS)]
+        jobs = kj.note_stored(self.state.kv_jobs, hashes.block_hashes)
+        self.state = replace(self.state, kv_jobs=jobs)
 
     @rule()
     def step(self):
@@ -133,6 +157,17 @@ SchedulerWithJobs.TestCase.settings = settings(max_examples=120, stateful_step_c
 TestSchedulerWithJobs = SchedulerWithJobs.TestCase
 
 
+class PrioritySchedulerWithJobs(SchedulerWithJobs):
+    """The same, under the priority policy: the queue of requests holding blocks for a load is
+    kept in priority order too."""
+
+    config = replace(CONFIG, policy="priority")
+
+
+PrioritySchedulerWithJobs.TestCase.settings = settings(max_examples=80, stateful_step_count=50)
+TestPrioritySchedulerWithJobs = PrioritySchedulerWithJobs.TestCase
+
+
 def test_loads_replace_recompute_and_failures_recompute():
     """Scenario: a prompt stored, evicted locally, then served again: loaded, not recomputed."""
     state = enable_kv_jobs(sch.make_scheduler(CONFIG))
@@ -169,3 +204,90 @@ def _drain(state, fail_loads=False):
         )
         state, _ = sch.update(after, out, runner_output(after, out), kv_job_results=results)
     return state, computed
+
+
+# ---------------------------------------------------------------- regression scenarios
+
+TIGHT = sch.SchedulerConfig(
+    max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, block_size=4, num_blocks=9
+)
+
+
+def _stored(state, *requests):
+    """`state` whose store holds every full block of the requests' prompts."""
+    hashes = [
+        h for r in requests for h in sch.add_request(state, r).requests[r.request_id].block_hashes
+    ]
+    return replace(state, kv_jobs=kj.note_stored(state.kv_jobs, hashes))
+
+
+def _step(state, results=()):
+    after, out = sch.schedule(state)
+    check_state(after)
+    check_output(state, after, out)
+    state, _ = sch.update(after, out, runner_output(after, out), kv_job_results=tuple(results))
+    check_state(state)
+    return state, out
+
+
+def test_a_loaded_request_keeps_its_blocks_until_it_is_admitted():
+    """A's load (3 blocks) ends; in the next step B, queued behind A, wants 6 blocks from the
+    store. It used to be planned first, before A was re-admitted, and took A's freed loaded
+    blocks: A's loaded prefill was lost. As vLLM: A holds its blocks and is admitted first with
+    12 computed tokens; B's load does not fit beside it (its 7 blocks > 4 free) and waits."""
+    a = Request("a", tuple(range(3, 16)), SamplingParams(max_tokens=2))  # 13 tokens: 3 blocks
+    b = Request("b", tuple(range(50, 75)), SamplingParams(max_tokens=2))  # 25 tokens: 6 blocks
+    state = _stored(enable_kv_jobs(sch.make_scheduler(TIGHT)), a, b)
+    state = sch.add_request(state, a)
+    after, out = sch.schedule(state)
+    (load,) = out.kv_jobs
+    assert isinstance(load, LoadJob) and load.req_id == "a" and len(load.block_ids) == 3
+    # The shell reports the load done with this step's update.
+    state, _ = sch.update(after, out, runner_output(after, out), (KVJobResult(load.job_id, True),))
+    check_state(state)
+    state = sch.add_request(state, b)
+
+    state, out = _step(state)
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == "a" and new.num_computed_tokens == 12
+    assert new.block_ids[:3] == load.block_ids
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert not out.kv_jobs  # B's load waits for blocks
+
+
+def test_requests_loading_kv_do_not_take_running_slots():
+    """vLLM 0.33 starts a load in its waiting loop while fewer than max_num_seqs requests run, and
+    the loading request does not join `running` (scheduler.py: `num_running =
+    len(self.running) + self.num_waiting_for_streaming_input`; the load path skips the request
+    into kv_holding_waiting). With max_num_seqs=2 and one running: L1 and L2 both start their
+    loads and W is admitted, in the same step. vlax used to count loads against the slots: only
+    L1 loaded, and L2 was admitted computing its stored prefix again."""
+    config = replace(TIGHT, max_num_seqs=2, num_blocks=33)
+    l1 = Request("l1", tuple(range(3, 16)), SamplingParams(max_tokens=2))
+    l2 = Request("l2", tuple(range(30, 43)), SamplingParams(max_tokens=2))
+    state = _stored(enable_kv_jobs(sch.make_scheduler(config)), l1, l2)
+    state = sch.add_request(state, Request("r", tuple(range(60, 69)), SamplingParams(max_tokens=3)))
+    state, _ = _step(state)
+    for request in (l1, l2, Request("w", tuple(range(80, 89)), SamplingParams(max_tokens=8))):
+        state = sch.add_request(state, request)
+
+    state, out = _step(state)
+    assert [(type(j), j.req_id) for j in out.kv_jobs if isinstance(j, LoadJob)] == [
+        (LoadJob, "l1"),
+        (LoadJob, "l2"),
+    ]
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["w"]
+    assert state.running == ("r", "w")
+    loads = [j for j in out.kv_jobs if isinstance(j, LoadJob)]
+
+    # The loads end; both running slots are taken, so the loaded requests hold their blocks
+    # until "r" finishes, then are admitted one at a time with their 12 loaded tokens.
+    state, out = _step(state, [KVJobResult(j.job_id, True) for j in loads])
+    admitted = {}
+    for _ in range(20):
+        state, out = _step(state)
+        for new in out.scheduled_new_reqs:
+            admitted[new.req_id] = new.num_computed_tokens
+        if not sch.has_unfinished_requests(state):
+            break
+    assert admitted == {"l1": 12, "l2": 12}
