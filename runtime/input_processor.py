@@ -1,0 +1,210 @@
+"""Before the core: tokenize a prompt, resolve EOS ids and generation defaults, validate a request.
+
+Everything a request carries is checked here, once, against the model (every token id against the
+vocabulary, lengths against max_model_len, logprobs against the vocabulary size), and a bad
+request is refused with an error that names the value, before anything is scheduled: a request
+the core admits can never fail inside a step for something its caller wrote. `process` is pure,
+so the engine can prepare a whole batch and admit it only when every request of it is good.
+
+EOS ids are resolved once per model, from the checkpoint's config.json, its generation_config.json
+and the tokenizer (all of them). The tokenizer's is the one vLLM calls the EOS (a stop on it
+reports no stop_reason; the others report their id, as vLLM's generation-config EOS ids do), so it
+comes first. Generation defaults follow vLLM's `get_diff_sampling_param`: generation_config.json's
+temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) make the
+default SamplingParams, used where the caller passes none; a caller's SamplingParams is used as
+it is (vLLM's `LLM.generate` does the same).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from model.config import ModelConfig
+from runtime.config import ConfigError
+from runtime.core.request import Request, SamplingParams
+from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
+_GENERATION_DEFAULTS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A validated request: what the output processor reports, and the core requests to admit
+    (one per sample: n > 1 fans out into children with their own ids and seeds)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    children: tuple[Request, ...]
+
+
+def resolve_eos_token_ids(
+    model_config: ModelConfig, tokenizer: Tokenizer | None
+) -> tuple[int, ...]:
+    """Every EOS id of the model: the tokenizer's first, then config.json's and
+    generation_config.json's; ids outside the vocabulary (a broken checkpoint) are left out."""
+    found = model_config.hf_config.get("eos_token_id")
+    config = () if found is None else (found,) if isinstance(found, int) else tuple(found)
+    from_tokenizer = () if tokenizer is None else (tokenizer.eos_token_id,)
+    ids = [t for t in (*from_tokenizer, *config, *model_config.eos_token_ids) if t is not None]
+    vocab = model_config.vocab_size
+    outside = [t for t in ids if not 0 <= t < vocab]
+    if outside:
+        log.warning(
+            "%s: EOS id(s) %s are outside the vocabulary [0, %d) and are ignored",
+            model_config.path,
+            outside,
+            vocab,
+        )
+    return tuple(dict.fromkeys(t for t in ids if 0 <= t < vocab))
+
+
+def default_sampling_params(model_config: ModelConfig) -> SamplingParams:
+    """vLLM's defaults: SamplingParams() with generation_config.json's sampling values over it."""
+    given = model_config.generation_defaults
+    values = {_GENERATION_DEFAULTS[k]: v for k, v in given.items() if k in _GENERATION_DEFAULTS}
+    if not values:
+        return SamplingParams()
+    try:
+        params = SamplingParams(**values)
+    except ValueError as err:
+        raise ConfigError(
+            f"{model_config.path}: generation_config.json sets sampling defaults vLLM would "
+            f"apply, but they are not valid: {err}"
+        ) from None
+    log.info("sampling defaults from generation_config.json: %s", values)
+    return params
+
+
+class InputProcessor:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Tokenizer | None, max_model_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = resolve_eos_token_ids(model_config, tokenizer)
+        self.default_params = default_sampling_params(model_config)
+
+    def prompt_inputs(self, prompt: object) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a vLLM-style prompt: a str, or a dict with 'prompt_token_ids'
+        (and optionally 'prompt', the text they came from) or 'prompt'."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
+                    raise TypeError(f"prompt_token_ids must be a list of ints, got {ids!r}")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self.prompt_inputs(str(prompt["prompt"]))
+        raise TypeError(
+            f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}"
+        )
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids,
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+    ) -> ProcessedRequest:
+        """Validate one request and build its core requests; raises ValueError / TypeError naming
+        the bad value (the request id first) and changes nothing."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r}: expected a non-empty str")
+        own = f"request {request_id!r}"
+        if params is None:
+            params = self.default_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{own}: params must be a SamplingParams, got {params!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"{own}: priority must be an int, got {priority!r}")
+        ids = self._prompt_ids(own, prompt_token_ids)
+        self._check_params(own, params, len(ids))
+        children = []
+        for i in range(params.n):
+            child = params
+            if params.n > 1:
+                # Each sample its own seed (vLLM's ParentRequest: seed + index).
+                child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(
+                Request(
+                    request_id if params.n == 1 else f"{request_id}.{i}",
+                    ids,
+                    child,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                )
+            )
+        return ProcessedRequest(request_id, prompt, ids, params, tuple(children))
+
+    def _prompt_ids(self, own: str, prompt_token_ids) -> tuple[int, ...]:
+        if isinstance(prompt_token_ids, str | bytes) or not hasattr(prompt_token_ids, "__iter__"):
+            raise TypeError(
+                f"{own}: prompt_token_ids must be a list of ints, got {prompt_token_ids!r}"
+            )
+        ids = tuple(prompt_token_ids)
+        if not ids:
+            raise ValueError(f"{own}: the prompt is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+                raise TypeError(f"{own}: prompt token id {t!r} is not an int")
+        ids = tuple(int(t) for t in ids)
+        self._check_ids(own, "prompt token id", ids)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{own}: the prompt has {len(ids)} tokens, which leaves no room to generate "
+                f"within max_model_len={self.max_model_len} (at most {self.max_model_len - 1} "
+                "prompt tokens)"
+            )
+        return ids
+
+    def _check_params(self, own: str, params: SamplingParams, prompt_len: int) -> None:
+        vocab = self.vocab_size
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"{own}: max_tokens={params.max_tokens} exceeds max_model_len="
+                f"{self.max_model_len}, the most tokens a request can hold (pass max_tokens=None "
+                "to generate until max_model_len)"
+            )
+        self._check_ids(own, "stop_token_ids holds token id", params.stop_token_ids)
+        self._check_ids(own, "logit_bias holds token id", [t for t, _ in params.logit_bias or ()])
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(
+                    f"{own}: {name}={value} asks for more top tokens than the vocabulary has "
+                    f"({vocab})"
+                )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"{own}: stop={list(params.stop)} needs a tokenizer to detokenize the output, "
+                "and this checkpoint has none; stop on token ids with stop_token_ids"
+            )
+
+    def _check_ids(self, own: str, what: str, ids) -> None:
+        vocab = self.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"{own}: {what} {t}, outside the vocabulary [0, {vocab})")
