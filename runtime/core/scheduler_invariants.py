@@ -213,11 +213,6 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
             and not any(c.resumed_from_preemption for c in output.scheduled_cached_reqs),
             "waiting requests admitted in a step that preempted",
         )
-    for request_id in output.finished_req_ids:
-        _require(
-            request_id in after.requests or not kvc.has_request(after.kv, request_id),
-            f"finished {request_id!r} still holds blocks",
-        )
         _require(
             not any(isinstance(job, kj.LoadJob) for job in output.kv_jobs),
             "a KV load started in a step that preempted (only the waiting loop starts loads)",
@@ -229,3 +224,8 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
                 and after.kv_jobs.loading.get(job.req_id) == job.job_id,
                 f"load {job.job_id} started for {job.req_id!r}, which is not holding for it",
             )
+    for request_id in output.finished_req_ids:
+        _require(
+            request_id in after.requests or not kvc.has_request(after.kv, request_id),
+            f"finished {request_id!r} still holds blocks",
+        )
