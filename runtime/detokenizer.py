@@ -70,7 +70,8 @@ class IncrementalDetokenizer:
         self._window = context  # ids decoded together; [prefix, read) is already emitted
         self._prefix = 0
         self._read = len(context)
-        self.token_ids: list[int] = []
+        # Output tokens seen (their ids live in the core's Request; min_tokens needs the count).
+        self.num_tokens = 0
         self.output_text = ""
         self._sent = 0  # characters of output_text returned by next_output_text(delta=True)
         # While streaming, hold back text a stop string could still cut away.
@@ -122,18 +123,18 @@ class IncrementalDetokenizer:
             skipped = new_token_ids.pop()
         check_from = len(self.output_text)
         for token in new_token_ids:
-            self.token_ids.append(token)
+            self.num_tokens += 1
             if token in self._skipped:
                 continue
             self._window.append(token)
             self.output_text += self._next_text(flush=False)
-            if len(self.token_ids) <= self._min_tokens:
+            if self.num_tokens <= self._min_tokens:
                 check_from = len(self.output_text)
         if finished or stop_terminated:
             self.output_text += self._next_text(flush=True)
         if skipped is not None:
-            self.token_ids.append(skipped)
-        if not self._stop or len(self.token_ids) <= self._min_tokens:
+            self.num_tokens += 1
+        if not self._stop or self.num_tokens <= self._min_tokens:
             return None
         found = find_stop_string(
             self.output_text, len(self.output_text) - check_from, self._stop, self._include_stop
