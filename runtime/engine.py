@@ -118,6 +118,11 @@ class Engine:
         self.history: list[SchedulerOutput] = []
         self.stats: list[StepStats] = []
         self.tracked: dict[str, TrackedRequest] = {}
+        # Requests held back until a shared store says how much of their prefix it holds:
+        # request id -> (lookup id, request). Lookup ids never repeat, so a late answer for an
+        # aborted request is never taken for a later request with the same id.
+        self._looking_up: dict[str, tuple[int, Request]] = {}
+        self._lookup_ids = itertools.count()
         self._arrival = itertools.count()
         self.num_generated_tokens = 0
 
@@ -192,15 +197,24 @@ class Engine:
             arrival_time=float(next(self._arrival)),
             priority=priority,
         )
-        self.state = sched.add_request(self.state, request)
+        if request_id in self._looking_up:
+            raise sched.SchedulerError(
+                f"add_request: request id {request_id!r} is in use by an unfinished request"
+            )
+        # The core validates (and hashes) the request; the state is a value, so a trial add
+        # costs nothing when the request has to wait for its lookup first.
+        added = sched.add_request(self.state, request)
         if self.offloader is not None and self.offloader.store.shared:
-            # A shared pool may hold prefixes other engines stored.
-            hashes = self.state.requests[request_id].block_hashes
-            found = self.offloader.stored_prefix(hashes)
-            if found:
-                self.state = replace(
-                    self.state, kv_jobs=kv_jobs.note_stored(self.state.kv_jobs, found)
-                )
+            # A shared pool may hold prefixes other engines stored. Asking it can block (a
+            # Mooncake master that is down answers after ~4 s), so the request waits for the
+            # answer outside the scheduler while the others run (runtime/offload/lookup.py).
+            lookup_id = next(self._lookup_ids)
+            self._looking_up[request_id] = (lookup_id, request)
+            self.offloader.submit_lookup(
+                (lookup_id, request_id), added.requests[request_id].block_hashes
+            )
+        else:
+            self.state = added
         detok = (
             None
             if self.tokenizer is None
@@ -216,9 +230,14 @@ class Engine:
         were never added are passed over. Returns the aborted requests: their final outputs
         (finish_reason ABORT), reported here and never again by `step`."""
         request_ids = list(
-            dict.fromkeys(r for r in request_ids if sched.has_request(self.state, r))
+            dict.fromkeys(
+                r for r in request_ids if sched.has_request(self.state, r) or r in self._looking_up
+            )
         )
-        self.state = sched.abort_requests(self.state, request_ids)
+        # A request still waiting for its lookup is not in the scheduler yet; its answer, when
+        # it comes, is dropped (the lookup id no longer matches).
+        in_core = [r for r in request_ids if self._looking_up.pop(r, None) is None]
+        self.state = sched.abort_requests(self.state, in_core)
         aborted = []
         for rid in request_ids:
             tracked = self.tracked[rid]
@@ -229,7 +248,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or KV jobs still pinning blocks (their completions arrive only
         with a step, so the loop keeps stepping)."""
-        return sched.has_unfinished_requests(self.state) or has_pending_kv_jobs(self.state)
+        return (
+            sched.has_unfinished_requests(self.state)
+            or has_pending_kv_jobs(self.state)
+            or bool(self._looking_up)
+        )
 
     @property
     def offload_stats(self):
@@ -240,8 +263,27 @@ class Engine:
             self.offloader.close()
             self.offloader = None
 
+    def _admit_looked_up(self) -> None:
+        """Hand the requests whose store lookup has answered to the scheduler, in arrival
+        order, noting what the store holds. With nothing else to run, wait a little for one."""
+        idle = not sched.has_unfinished_requests(self.state)
+        wait_s = 0.01 if idle and self._looking_up else 0.0
+        for answer in self.offloader.take_lookups(wait_s):
+            if answer.found:
+                # True of the store whether or not the request is still waiting for it.
+                self.state = replace(
+                    self.state, kv_jobs=kv_jobs.note_stored(self.state.kv_jobs, answer.found)
+                )
+            lookup_id, request_id = answer.token
+            held = self._looking_up.get(request_id)
+            if held is not None and held[0] == lookup_id:
+                del self._looking_up[request_id]
+                self.state = sched.add_request(self.state, held[1])
+
     def step(self) -> list[TrackedRequest]:
         """One schedule / execute / update round; returns the requests that finished in it."""
+        if self.offloader is not None:
+            self._admit_looked_up()
         before = self.state
         self.state, so = sched.schedule(self.state)
         runner_out = self.runner.execute(so)

@@ -78,6 +78,12 @@ class MooncakeStore(KVStore):
             return ()
         with self._lock:
             flags = self._client.batch_is_exist(names)
+        failed = [flag for flag in flags if flag < 0]
+        if failed:
+            # e.g. -900 RPC_FAIL with the master down: unknown, not "absent".
+            raise StoreError(
+                f"Mooncake batch_is_exist of {len(names)} keys failed with {failed[0]}"
+            )
         return tuple(flag == 1 for flag in flags)
 
     def put(self, keys: Sequence[BlockHash], values: Sequence[bytes | memoryview]) -> PutResult:

@@ -9,11 +9,12 @@ Store gathers are dispatched on the engine thread right after the step that fill
 for them and writes the store. Loaded rows are written into the KV cache on the engine thread.
 """
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from runtime.core.block_pool import BlockHash
 from runtime.core.kv_jobs import KVJob, KVJobResult, StoreJob
 from runtime.offload.device_copy import block_nbytes, gather_blocks, scatter_blocks
+from runtime.offload.lookup import LookupDone, PrefixLookups, stored_prefix
 from runtime.offload.store import KVStore
 from runtime.offload.worker import OffloadWorker
 
@@ -26,6 +27,8 @@ class KVOffloader:
         self.store = store
         self.owns_store = owns_store
         self._worker = OffloadWorker(store)
+        # Only a shared store can hold prefixes this engine did not store (lookup.py).
+        self._lookups = PrefixLookups(store) if store.shared else None
         # The latest failure messages, newest last, for logs and notebooks.
         self.errors: list[str] = []
 
@@ -57,25 +60,43 @@ class KVOffloader:
         return kv_cache, tuple(results)
 
     def stored_prefix(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
-        """The leading run of block_hashes the store holds (for kv_jobs.note_stored)."""
-        if not block_hashes:
-            return ()
+        """The leading run of block_hashes the store holds, asked on this thread (blocking);
+        a store that cannot answer holds nothing we can count on."""
         try:
-            flags = tuple(self.store.exists(block_hashes))
-        except Exception as err:  # a store that cannot answer holds nothing we can count on
-            self.errors = [*self.errors[-63:], f"exists: {err!r}; nothing counted as stored"]
+            return stored_prefix(self.store, block_hashes)
+        except Exception as err:
+            self._add_error(f"exists: {err!r}; nothing counted as stored")
             return ()
-        run = next((i for i, ok in enumerate(flags) if not ok), len(flags))
-        run = min(run, len(block_hashes))
-        return tuple(block_hashes[:run])
+
+    def submit_lookup(self, token: Hashable, block_hashes: Sequence[BlockHash]) -> None:
+        """Ask a shared store, on the lookup thread, how much of the prefix it holds; the answer
+        comes back from `take_lookups` under `token`."""
+        if self._lookups is None:
+            raise ValueError("prefix lookups are for a shared store (KVStore.shared)")
+        self._lookups.submit(token, block_hashes)
+
+    def take_lookups(self, wait_s: float = 0.0) -> list[LookupDone]:
+        """The lookups answered so far (a failed one found nothing; its error is noted)."""
+        if self._lookups is None:
+            return []
+        done = self._lookups.take(wait_s)
+        for answer in done:
+            if answer.error is not None:
+                self._add_error(f"lookup {answer.token}: {answer.error}; nothing found")
+        return done
 
     def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         self._worker.close()
         if self.owns_store:
             self.store.close()
 
     def _note(self, job: KVJob, message: str) -> None:
-        self.errors = [*self.errors[-63:], f"{type(job).__name__} {job.job_id}: {message}"]
+        self._add_error(f"{type(job).__name__} {job.job_id}: {message}")
+
+    def _add_error(self, message: str) -> None:
+        self.errors = [*self.errors[-63:], message]
 
 
 def make_store(

@@ -10,12 +10,14 @@ prompts again in order evicts each one before it comes round, so every repeat lo
 Stores other than "host" are passed as objects (`kv_offload=<store>`), never swapped in.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
 from model.testing import write_tiny_checkpoint
 from runtime.config import ConfigError
-from runtime.core.request import SamplingParams
+from runtime.core.request import FinishReason, SamplingParams
 from runtime.offload.device_copy import block_nbytes
 from runtime.offload.fault_injection import FaultyStore
 from runtime.offload.host_store import HostStore
@@ -223,3 +225,69 @@ def store_keys(llm, prompts):
 
     block_size = llm.engine.config.block_size
     return [extend_block_hashes((), p["prompt_token_ids"], block_size)[0] for p in prompts]
+
+
+class PoolWithMasterDown(HostStore):
+    """A real HostStore shared like a pool (so the engine asks it about each new request's
+    prefix) whose `exists` blocks until `up` is set: a Mooncake pool whose master is down blocks
+    each call for ~4 s. The wait is a hang guard, never a timing the test relies on."""
+
+    shared = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.up = threading.Event()
+        self.up.set()
+        self.lookups = 0
+
+    def exists(self, keys):
+        self.lookups += 1
+        if not self.up.wait(timeout=600):
+            raise StoreError("the master never came back")
+        return super().exists(keys)
+
+
+def test_a_shared_store_that_blocks_does_not_stall_the_engine(
+    checkpoint, prompts, baseline, nbytes
+):
+    """Lookups in a shared store used to run in add_request, on the engine thread: with the pool's
+    master down, every new request stalled the whole batch. Now a new request waits for its answer
+    outside the scheduler while the others run; aborting it then gives its one final output, and
+    its late answer does not admit a later request that reuses its id."""
+    store = PoolWithMasterDown(8 << 20, nbytes)
+    llm = LLM(checkpoint, **ENGINE, kv_offload=store)
+    engine = llm.engine
+    ids = lambda i: prompts[i]["prompt_token_ids"]  # noqa: E731
+    finals = {}
+
+    def step():
+        for tracked in engine.step():
+            assert tracked.request_id not in finals, f"second final output for {tracked.request_id}"
+            finals[tracked.request_id] = (tracked.finish_reason, list(tracked.token_ids))
+
+    try:
+        engine.add_request("a", ids(0), PARAMS)
+        while "a" not in engine.state.requests or not engine.tracked["a"].token_ids:
+            step()
+        store.up.clear()  # the master goes down
+        engine.add_request("b", ids(1), PARAMS)  # returns: the lookup waits on its own thread
+        engine.add_request("c", ids(2), PARAMS)
+        (aborted,) = engine.abort_request(["c"])
+        assert aborted.request_id == "c" and aborted.finish_reason is FinishReason.ABORT
+        engine.add_request("c", ids(3), PARAMS)  # the id again, a new request
+        while "a" not in finals:  # "a" runs to its end while the others wait for the pool
+            step()
+            assert not {"b", "c"} & set(engine.state.requests)
+        assert finals["a"] == (FinishReason.LENGTH, baseline[0])
+        store.up.set()  # the master is back
+        while engine.has_unfinished_requests():
+            step()
+        assert finals == {
+            "a": (FinishReason.LENGTH, baseline[0]),
+            "b": (FinishReason.LENGTH, baseline[1]),
+            "c": (FinishReason.LENGTH, baseline[3]),
+        }
+        assert store.lookups == 4 and engine.offloader.errors == []
+    finally:
+        engine.close()
+        store.close()

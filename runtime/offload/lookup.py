@@ -1,0 +1,72 @@
+"""Prefix lookups in a shared store, on their own thread, so a slow store never stalls the engine.
+
+A shared store (other engines write it) may hold more of a new request's prefix than this engine
+stored. Asking it is a network round trip; with a Mooncake master down, each call blocks about
+4 s before it fails. So the engine holds a new request back, asks on this thread, and hands the
+request to the scheduler when the answer (or the failure, counted as "nothing found") is back:
+other requests keep running meanwhile, and no request is scheduled without its answer.
+"""
+
+import queue
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from runtime.core.block_pool import BlockHash
+from runtime.offload.store import KVStore
+
+__all__ = ["LookupDone", "PrefixLookups", "stored_prefix"]
+
+
+def stored_prefix(store: KVStore, block_hashes: Sequence[BlockHash]) -> tuple[BlockHash, ...]:
+    """The leading run of block_hashes the store holds (raises what the store raises)."""
+    if not block_hashes:
+        return ()
+    flags = tuple(store.exists(block_hashes))
+    run = next((i for i, ok in enumerate(flags) if not ok), len(flags))
+    return tuple(block_hashes[: min(run, len(block_hashes))])
+
+
+@dataclass(frozen=True, slots=True)
+class LookupDone:
+    token: Hashable  # the caller's name for the lookup, given back as it was
+    found: tuple[BlockHash, ...]
+    error: str | None = None
+
+
+class PrefixLookups:
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="vlax-kv-lookup", daemon=True)
+        self._thread.start()
+
+    def submit(self, token: Hashable, block_hashes: Sequence[BlockHash]) -> None:
+        self._todo.put((token, tuple(block_hashes)))
+
+    def take(self, wait_s: float = 0.0) -> list[LookupDone]:
+        """Every answer so far, in submission order; with wait_s > 0, first wait that long for
+        at least one."""
+        done = []
+        try:
+            done.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return done
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._todo.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            token, block_hashes = item
+            try:
+                done = LookupDone(token, stored_prefix(self.store, block_hashes))
+            except Exception as err:  # a store that cannot answer holds nothing we count on
+                done = LookupDone(token, (), error=f"exists: {err!r}")
+            self._done.put(done)
