@@ -85,7 +85,10 @@ def _reason_fits(req: SoakRequest, final: Final, max_model_len: int) -> bool:
     if final.reason is FinishReason.LENGTH:
         return n == limit or len(req.prompt_token_ids) + n == max_model_len
     if final.reason is FinishReason.STOP:
-        return 1 <= n <= limit and not req.params.ignore_eos
+        params = req.params
+        stoppable = not params.ignore_eos or params.stop or params.stop_token_ids
+        # A stop string may end a request inside its first token (the string is cut off).
+        return 0 <= n <= limit and bool(stoppable)
     return False
 
 

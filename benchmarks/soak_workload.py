@@ -1,9 +1,9 @@
 """The soak's seeded workload, and its fault-free reference tokens.
 
 Requests share a few long prefixes (so the store serves loads) and differ in suffix length,
-max_tokens, priority and sampling: greedy, seeded (batch-invariant by design, so checked like
-greedy) and unseeded (checked only for ending properly). Some reuse the id of a request that
-already ended (the request-id ABA of vLLM #51637).
+max_tokens, priority, stop strings and stop tokens, and sampling: greedy, seeded (batch-invariant
+by design, so checked like greedy) and unseeded (checked only for ending properly). Some reuse the
+id of a request that already ended (the request-id ABA of vLLM #51637).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.core.request import SamplingParams
+
+# Common in the default model's corpus, so random generations meet them now and then.
+STOP_STRINGS = ("e", "th", "in", " a")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,11 @@ def make_workload(size: SoakSize, vocab_size: int, seed: int) -> list[SoakReques
             max_tokens=int(rng.integers(1, size.max_tokens + 1)),
             ignore_eos=bool(rng.random() < 0.5),
         )
+        stops = rng.random()
+        if stops < 0.1:  # found by the detokenizer, which then finishes the request
+            common["stop"] = (STOP_STRINGS[int(rng.integers(len(STOP_STRINGS)))],)
+        elif stops < 0.2:
+            common["stop_token_ids"] = (int(rng.integers(3, vocab_size)),)
         if kind < 0.6:
             params = SamplingParams(temperature=0.0, **common)
         elif kind < 0.8:
