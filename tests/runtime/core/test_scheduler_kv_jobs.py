@@ -118,7 +118,10 @@ class SchedulerWithJobs(RuleBasedStateMachine):
     @precondition(lambda self: self.started)
     @rule(data=st.data(), ok=st.booleans())
     def end_job(self, data, ok):
-        job_id = data.draw(st.sampled_from(sorted(self.started)))
+        self._end(data.draw(st.sampled_from(sorted(self.started))), ok)
+
+    def _end(self, job_id, ok):
+        """The shell ends a job: a store reads its blocks now, a load writes them now."""
         job = self.started.pop(job_id)
         if isinstance(job, StoreJob) and ok:
             for block, block_hash in zip(job.block_ids, job.block_hashes, strict=True):
@@ -151,6 +154,18 @@ class SchedulerWithJobs(RuleBasedStateMachine):
                 if block_hash in self.store:
                     expected = [kv_of(tokens, index * BS + k) for k in range(BS)]
                     assert self.store[block_hash] == expected, f"store polluted at {index}"
+
+    def teardown(self):
+        """Liveness: with every job ending as the shell ends it, all requests finish and every
+        job ends; requests holding blocks for their loads never wedge the others."""
+        for _ in range(200):
+            for job_id in sorted(self.started):
+                self._end(job_id, True)
+            if not sch.has_unfinished_requests(self.state) and not has_pending_kv_jobs(self.state):
+                break
+            self.step()  # reports the ended jobs
+        assert not sch.has_unfinished_requests(self.state), self.state
+        assert not has_pending_kv_jobs(self.state)
 
 
 SchedulerWithJobs.TestCase.settings = settings(max_examples=120, stateful_step_count=50)
