@@ -4,7 +4,8 @@ A shared store (other engines write it) may hold more of a new request's prefix 
 stored. Asking it is a network round trip; with a Mooncake master down, each call blocks about
 4 s before it fails. So the engine holds a new request back, asks on this thread, and hands the
 request to the scheduler when the answer (or the failure, counted as "nothing found") is back:
-other requests keep running meanwhile, and no request is scheduled without its answer.
+other requests keep running meanwhile, and no request is scheduled without its answer. A failed
+lookup answers the ones queued behind it at once, so a dead store costs each request one failure.
 """
 
 import queue
@@ -66,7 +67,22 @@ class PrefixLookups:
         while (item := self._todo.get()) is not None:
             token, block_hashes = item
             try:
-                done = LookupDone(token, stored_prefix(self.store, block_hashes))
+                self._done.put(LookupDone(token, stored_prefix(self.store, block_hashes)))
             except Exception as err:  # a store that cannot answer holds nothing we count on
-                done = LookupDone(token, (), error=f"exists: {err!r}")
-            self._done.put(done)
+                self._done.put(LookupDone(token, (), error=f"exists: {err!r}"))
+                # The store just failed: the lookups queued meanwhile are answered "nothing
+                # found" without asking, so requests wait one failure, not one per request
+                # ahead of them. Lookups submitted from now on ask again.
+                if not self._fail_queued(f"not asked, the store just failed: {err!r}"):
+                    return
+
+    def _fail_queued(self, error: str) -> bool:
+        """Answer every queued lookup with `error`; False if the close sentinel was among them."""
+        while True:
+            try:
+                item = self._todo.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            self._done.put(LookupDone(item[0], (), error=error))
