@@ -6,12 +6,16 @@ to the blocks it touches, never to `num_blocks` (the per-block maps live in a
 Per-block fields are dense slots indexed by block id, so making a pool is one O(num_blocks)
 zero-fill (memset speed), not a transition.
 
-The eviction order is two parts, head first:
-1. the "fresh" range `next_fresh .. num_blocks - 1`: blocks never handed out yet, kept as a range so
+The eviction order (vLLM's free block queue) is three parts, head first:
+1. blocks freed holding no hash (they can never be a prefix hit), most recently freed first;
+2. the "fresh" range `next_fresh .. num_blocks - 1`: blocks never handed out yet, kept as a range so
    that making a pool of any size is O(1);
-2. a doubly linked list of blocks freed since, oldest first (LRU).
-Freed blocks are appended to the tail in the order the caller gives, so a request that frees its
-table tail-first has its shared prefix evicted last.
+3. blocks freed holding a hash (cached prefixes), least recently freed first (LRU).
+Parts 1 and 3 are one doubly linked list; `split` names the last block of part 1 (the fresh range
+sits right after it). As in vLLM's `BlockPool.free_blocks`, one `release` call puts the blocks it
+frees that hold no hash at the front, in the order given, and those holding one at the back, in
+the order given; a request that frees its table tail-first has its shared prefix evicted last.
+Once the fresh range is used up, part 1 is just the head of the list and `split` is unused.
 """
 
 from collections.abc import Iterable, Sequence
@@ -27,7 +31,7 @@ HASH_NBYTES = 32
 # by block id; INDEX and DUP are dicts. NXT / PRV link the freed list (NULL_BLOCK, i.e. 0, doubles
 # as "none": it is never on the list). Several blocks may hold equal
 # content (two requests that computed the same prefix at once; tables stay append-only): INDEX
-# names the earliest registered holder of a hash and DUP chains the others.
+# names the earliest registered holder of a hash and DUP chains the others in registration order.
 REFS, NXT, PRV, HASH_OF, INDEX, DUP = range(6)
 
 
@@ -43,6 +47,8 @@ class BlockPool:
     next_fresh: int
     head: int
     tail: int
+    # The last listed block ahead of the fresh range (NULL_BLOCK: none, or no fresh range left).
+    split: int
     num_free: int
     num_cached: int
     data: vs.Version
@@ -67,6 +73,7 @@ def make_block_pool(num_blocks: int, block_size: int) -> BlockPool:
         next_fresh=1,
         head=NULL_BLOCK,
         tail=NULL_BLOCK,
+        split=NULL_BLOCK,
         num_free=num_blocks - 1,
         num_cached=0,
         data=vs.new_version_of(
@@ -127,8 +134,16 @@ def num_cached_blocks(pool: BlockPool) -> int:
 def free_order(pool: BlockPool) -> tuple[int, ...]:
     """Every free block in eviction order, head first. O(num_free); for tests and notebooks."""
     nxt = vs.read(pool.data)[NXT]
-    order = list(range(pool.next_fresh, pool.num_blocks))
+    order = []
     block = pool.head
+    if pool.split != NULL_BLOCK:
+        while True:
+            order.append(block)
+            if block == pool.split:
+                break
+            block = nxt[block]
+        block = nxt[block]
+    order.extend(range(pool.next_fresh, pool.num_blocks))
     while block != NULL_BLOCK:
         order.append(block)
         block = nxt[block]
@@ -157,17 +172,33 @@ def take_free_blocks(
     _check_hashes(block_hashes)
     if n == 0:
         return pool, ()
-    num_fresh = min(n, pool.num_blocks - pool.next_fresh)
-    taken = list(range(pool.next_fresh, pool.next_fresh + num_fresh))
-    head, tail, num_cached = pool.head, pool.tail, pool.num_cached
+    head, tail, split, num_cached = pool.head, pool.tail, pool.split, pool.num_cached
+    taken = []
     tx = vs.Transaction(pool.data)
     refs, nxt, prv, hash_of, index, dup = tx.tables
     log = tx.log
     try:
-        for block in taken:
+        # Blocks freed without a hash come first; they hold nothing to evict.
+        while split != NULL_BLOCK and len(taken) < n:
+            block = head
+            head = nxt[block]
             log += (REFS, block, 0)
             refs[block] = 1
-        for _ in range(n - num_fresh):
+            if head == NULL_BLOCK:
+                tail = NULL_BLOCK
+            else:
+                log += (NXT, block, head, PRV, head, block)
+                nxt[block] = NULL_BLOCK
+                prv[head] = NULL_BLOCK
+            if block == split:
+                split = NULL_BLOCK
+            taken.append(block)
+        num_fresh = min(n - len(taken), pool.num_blocks - pool.next_fresh)
+        for block in range(pool.next_fresh, pool.next_fresh + num_fresh):
+            log += (REFS, block, 0)
+            refs[block] = 1
+            taken.append(block)
+        for _ in range(n - len(taken)):
             block = head
             head = nxt[block]
             block_hash = hash_of[block]
@@ -218,6 +249,7 @@ def take_free_blocks(
         pool.next_fresh + num_fresh,
         head,
         tail,
+        split,
         pool.num_free - n,
         num_cached + len(block_hashes),
         tx.commit(),
@@ -227,7 +259,7 @@ def take_free_blocks(
 
 def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     """Add one reference to each block (repeats add several); a free block leaves the free list."""
-    head, tail, num_free = pool.head, pool.tail, pool.num_free
+    head, tail, split, num_free = pool.head, pool.tail, pool.split, pool.num_free
     tx = vs.Transaction(pool.data)
     refs, nxt, prv, _, _, _ = tx.tables
     log = tx.log
@@ -245,6 +277,8 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
                 continue
             before = prv[block]
             after = nxt[block]
+            if block == split:
+                split = before
             # Unlinking `block` sets before.next = after and after.prev = before (0 = none).
             if before == NULL_BLOCK:
                 head = after
@@ -268,6 +302,7 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
         pool.next_fresh,
         head,
         tail,
+        split,
         num_free,
         pool.num_cached,
         tx.commit(),
@@ -275,10 +310,17 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
 
 
 def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
-    """Drop one reference per id; blocks reaching 0 join the free tail in the order given."""
-    head, tail, num_free, limit = pool.head, pool.tail, pool.num_free, pool.num_blocks
+    """Drop one reference per id. Blocks reaching 0 rejoin the free queue as in vLLM's
+    `BlockPool.free_blocks`: those holding no hash at the front (reused first, since they can
+    never be a prefix hit), those holding one at the back (LRU), each group in the order given."""
+    head, tail, split = pool.head, pool.tail, pool.split
+    num_free, limit = pool.num_free, pool.num_blocks
+    # Unhashed blocks go ahead of the fresh range, so they mark its place while it lasts.
+    fresh_left = pool.next_fresh < limit
+    # The last block this call put at the front (the next one goes right after it).
+    front = NULL_BLOCK
     tx = vs.Transaction(pool.data)
-    refs, nxt, prv, _, _, _ = tx.tables
+    refs, nxt, prv, hash_of, _, _ = tx.tables
     log = tx.log
     try:
         for block in block_ids:
@@ -287,15 +329,34 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
             count = refs[block]
             if count == 1:
                 refs[block] = 0
-                if tail == NULL_BLOCK:
-                    log += (REFS, block, 1)
+                num_free += 1
+                if hash_of[block] is not None:
+                    if tail == NULL_BLOCK:
+                        log += (REFS, block, 1)
+                        head = block
+                    else:
+                        log += (REFS, block, 1, NXT, tail, NULL_BLOCK, PRV, block, NULL_BLOCK)
+                        nxt[tail] = block
+                        prv[block] = tail
+                    tail = block
+                    continue
+                after = head if front == NULL_BLOCK else nxt[front]
+                log += (REFS, block, 1)
+                if front == NULL_BLOCK:
                     head = block
                 else:
-                    log += (REFS, block, 1, NXT, tail, NULL_BLOCK, PRV, block, NULL_BLOCK)
-                    nxt[tail] = block
-                    prv[block] = tail
-                tail = block
-                num_free += 1
+                    log += (NXT, front, after, PRV, block, NULL_BLOCK)
+                    nxt[front] = block
+                    prv[block] = front
+                if after == NULL_BLOCK:
+                    tail = block
+                else:
+                    log += (PRV, after, front, NXT, block, NULL_BLOCK)
+                    prv[after] = block
+                    nxt[block] = after
+                if fresh_left and split == front:
+                    split = block
+                front = block
             elif count:
                 log += (REFS, block, count)
                 refs[block] = count - 1
@@ -312,6 +373,7 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
         pool.next_fresh,
         head,
         tail,
+        split,
         num_free,
         pool.num_cached,
         tx.commit(),
@@ -349,6 +411,7 @@ def cache_blocks(
         pool.next_fresh,
         pool.head,
         pool.tail,
+        pool.split,
         pool.num_free,
         pool.num_cached + len(block_hashes),
         tx.commit(),
@@ -380,10 +443,12 @@ def _register(tx: vs.Transaction, blocks: Sequence[int], block_hashes: Sequence[
             continue
         log += (HASH_OF, block, None)
         hash_of[block] = block_hash
-        later = dup.get(first)
-        if later is not None:
-            tx.set(DUP, block, later)
-        tx.set(DUP, first, block)
+        # Holders stay in registration order (vLLM's per-hash dict): a lookup gets the earliest,
+        # and when it is evicted, the next earliest.
+        last = first
+        while (later := dup.get(last)) is not None:
+            last = later
+        tx.set(DUP, last, block)
 
 
 def _drop_shared_hash(tx: vs.Transaction, block: int, block_hash: BlockHash) -> None:

@@ -72,6 +72,7 @@ def _check_free_list(pool: bp.BlockPool) -> None:
         before, block = block, nxt.get(block, bp.NULL_BLOCK)
     if before != pool.tail:
         _fail(f"free list ends at {before} but tail is {pool.tail}")
+    _check_free_order(pool, listed)
     if len(nxt) != max(0, len(listed) - 1) or len(prv) != max(0, len(listed) - 1):
         _fail(f"free list maps hold stale links: {len(nxt)} next, {len(prv)} prev")
     num_fresh = pool.num_blocks - pool.next_fresh
@@ -83,6 +84,29 @@ def _check_free_list(pool: bp.BlockPool) -> None:
     for block, count in refs.items():
         if count < 1 or not bp.NULL_BLOCK < block < pool.next_fresh:
             _fail(f"ref entry {block}: {count} is not a positive count of a handed-out block")
+
+
+def _check_free_order(pool: bp.BlockPool, listed: set[int]) -> None:
+    """vLLM's free queue: blocks freed without a hash, then never-used ones, then blocks freed
+    with a hash. `split` (the last of the first group) is set only while never-used ones last."""
+    _, nxt, _, hash_of, _, _ = vs.read(pool.data)
+    num_fresh = pool.num_blocks - pool.next_fresh
+    if pool.split != bp.NULL_BLOCK and (pool.split not in listed or not num_fresh):
+        _fail(f"split={pool.split} but it is not listed or no never-used block is left")
+    ahead_of_fresh = pool.split != bp.NULL_BLOCK
+    seen_hashed, block = False, pool.head
+    while block != bp.NULL_BLOCK:
+        hashed = block in hash_of
+        if ahead_of_fresh and hashed:
+            _fail(f"free list: block {block}, ahead of the never-used blocks, holds a hash")
+        if not ahead_of_fresh and num_fresh and not hashed:
+            _fail(f"free list: block {block}, behind the never-used blocks, holds no hash")
+        if seen_hashed and not hashed:
+            _fail(f"free list: block {block} holds no hash but comes after a hashed block")
+        seen_hashed = seen_hashed or hashed
+        if block == pool.split:
+            ahead_of_fresh = False
+        block = nxt.get(block, bp.NULL_BLOCK)
 
 
 def _check_hash_index(pool: bp.BlockPool) -> None:

@@ -1,4 +1,4 @@
-"""Rules of the block pool: null block, LRU free order, ref counts, hash index, misuse."""
+"""Rules of the block pool: null block, vLLM's free order, ref counts, hash index, misuse."""
 
 import hashlib
 
@@ -32,14 +32,41 @@ def test_new_pool_hands_out_every_block_but_the_null_block_in_id_order():
     assert all(bp.ref_count(pool, b) == 1 for b in taken)
 
 
-def test_freed_blocks_queue_behind_never_used_ones_in_the_order_released():
-    pool = bp.make_block_pool(8, 4)
-    pool, first = bp.take_free_blocks(pool, 3)
-    pool = bp.release(pool, reversed(first))
-    assert bp.free_order(pool) == (4, 5, 6, 7, 3, 2, 1)
-    pool, again = bp.take_free_blocks(pool, 5)
-    assert again == (4, 5, 6, 7, 3)
-    assert bp.free_order(pool) == (2, 1)
+def test_freed_blocks_without_a_hash_are_reused_first_and_hashed_ones_last():
+    """vLLM's BlockPool.free_blocks: a freed block holding no hash (never a prefix hit) goes to
+    the FRONT of the free queue, ahead of never-used blocks; one holding a hash to the back. The
+    pool used to append every freed block to the back, so under pressure it evicted cached
+    prefixes before reusing blocks that could never be hit."""
+    pool = bp.make_block_pool(10, 4)
+    pool, first = bp.take_free_blocks(pool, 5)
+    pool = bp.cache_blocks(pool, first[:2], (h("a"), h("b")))
+    pool = bp.release(pool, reversed(first))  # tail-first, as a request frees its table
+    assert bp.free_order(pool) == (5, 4, 3, 6, 7, 8, 9, 2, 1)
+    pool, again = bp.take_free_blocks(pool, 6)
+    assert again == (5, 4, 3, 6, 7, 8)
+    assert bp.lookup_cached(pool, h("a")) == 1 and bp.lookup_cached(pool, h("b")) == 2
+
+
+def test_each_release_puts_its_unhashed_blocks_ahead_of_earlier_ones_in_the_order_given():
+    """One call's unhashed blocks keep their given order as a group (vLLM's prepend_n), and a
+    later call's group goes in front of it; hashed blocks queue at the back in the order given."""
+    pool = bp.make_block_pool(12, 4)
+    pool, blocks = bp.take_free_blocks(pool, 8)
+    pool = bp.cache_blocks(pool, blocks[4:6], (h("x"), h("y")))
+    pool = bp.release(pool, (1, 5, 2))  # 5 is hashed
+    pool = bp.release(pool, (3, 6, 4))  # 6 is hashed
+    assert bp.free_order(pool) == (3, 4, 1, 2, 9, 10, 11, 5, 6)
+    # Reviving the last block ahead of the never-used ones keeps the rest in place.
+    pool = bp.touch(pool, [2])
+    pool = bp.release(pool, (7,))
+    assert bp.free_order(pool) == (7, 3, 4, 1, 9, 10, 11, 5, 6)
+    pool = bp.release(pool, (2,))
+    assert bp.free_order(pool) == (2, 7, 3, 4, 1, 9, 10, 11, 5, 6)
+    pool, taken = bp.take_free_blocks(pool, 7)
+    assert taken == (2, 7, 3, 4, 1, 9, 10)
+    # With no never-used block left, unhashed blocks still go first, hashed ones last.
+    pool = bp.release(pool, (9, 4, 8))
+    assert bp.free_order(pool) == (9, 4, 8, 11, 5, 6)
 
 
 def test_shared_block_is_freed_only_by_its_last_holder():
@@ -50,7 +77,7 @@ def test_shared_block_is_freed_only_by_its_last_holder():
     pool = bp.release(pool, [block, block])
     assert bp.ref_count(pool, block) == 1 and block not in bp.free_order(pool)
     pool = bp.release(pool, [block])
-    assert bp.free_order(pool)[-1] == block and bp.num_free_blocks(pool) == 3
+    assert bp.free_order(pool)[0] == block and bp.num_free_blocks(pool) == 3
 
 
 def test_touch_revives_a_free_cached_block_from_anywhere_in_the_list():
@@ -92,6 +119,24 @@ def test_equal_content_in_several_blocks_keeps_a_holder_until_the_last_is_evicte
         pool, _ = bp.take_free_blocks(pool, 1)
         assert bp.lookup_cached(pool, h("x")) == holder
     assert bp.num_cached_blocks(pool) == 0
+
+
+def test_holders_of_equal_content_are_looked_up_in_registration_order():
+    """vLLM keeps the holders of one hash in a dict (registration order) and a lookup returns the
+    first. The pool used to link a new holder right after the first, so once the first was
+    evicted a lookup found the latest holder instead of the next earliest."""
+    pool = bp.make_block_pool(6, 2)
+    pool, (x, y, z, other) = bp.take_free_blocks(pool, 4)
+    for block in (x, y, z):
+        pool = bp.cache_blocks(pool, (block,), (h("same"),))
+    pool = bp.cache_blocks(pool, (other,), (h("other"),))
+    pool = bp.release(pool, (x, other))
+    pool, taken = bp.take_free_blocks(pool, 2)  # the never-used block, then x (evicted)
+    assert taken == (5, x)
+    assert bp.lookup_cached(pool, h("same")) == y
+    pool = bp.release(pool, (y,))
+    pool, taken = bp.take_free_blocks(pool, 2)
+    assert taken == (other, y) and bp.lookup_cached(pool, h("same")) == z
 
 
 def test_cached_run_stops_at_the_first_miss_and_the_limit():

@@ -1,6 +1,6 @@
 """KV cache rules: the N-1 prefix hit, allocate_slots layout and caching, free order, pins, misuse."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -152,6 +152,28 @@ def test_pins_keep_blocks_out_of_the_free_list_after_the_request_frees():
     kv.check_invariants(done)
     with pytest.raises(InvariantError, match="ref count 1 but 0 holders"):
         kv.check_invariants(freed)  # the pins are not declared
+
+
+def test_invariants_catch_a_free_queue_out_of_vllms_order():
+    """Freed unhashed blocks, then never-used ones, then freed hashed ones; `split` marks the
+    first group's end while never-used blocks remain."""
+    state = kv.make_kv_cache(8, BS, max_model_len=64)
+    out, _ = admit(state, "a", list(range(6)))  # one full (hashed) block, one partial
+    state = kv.free(out.state, "a")
+    assert bp.free_order(state.pool) == (2, 3, 4, 5, 6, 7, 1)
+    kv.check_invariants(state)
+    lost = replace(state, pool=replace(state.pool, split=bp.NULL_BLOCK))
+    with pytest.raises(InvariantError, match="block 2, behind the never-used blocks, holds no"):
+        kv.check_invariants(lost)
+    hashed = replace(state, pool=replace(state.pool, split=1))
+    with pytest.raises(InvariantError, match="block 1, ahead of the never-used blocks, holds a"):
+        kv.check_invariants(hashed)
+    # Used up the never-used blocks: unhashed 2 first, hashed 1 last, no split.
+    state = kv.allocate_slots(state, "b", 24, 0).state
+    state = kv.free(state, "b")
+    assert state.pool.split == bp.NULL_BLOCK
+    assert bp.free_order(state.pool) == (7, 6, 5, 4, 3, 2, 1)
+    kv.check_invariants(state)
 
 
 def test_pinning_a_free_cached_block_revives_it():

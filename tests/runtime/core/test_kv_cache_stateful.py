@@ -1,8 +1,9 @@
 """Random allocate / step / hit / free / re-admit / pin / unpin / misuse sequences on a KV cache.
 
-After every step: the state's invariants hold, the free order equals a simple LRU model, block
-hashes equal a model of what was cached and evicted, and a few older states still show exactly
-what they showed when they were made.
+After every step: the state's invariants hold, the free order equals a simple model of vLLM's
+free queue (freed blocks holding no hash go to the front, hashed ones to the back), block hashes
+equal a model of what was cached and evicted, and a few older states still show exactly what they
+showed when they were made.
 """
 
 from collections import Counter
@@ -68,10 +69,15 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.refs[block] += 1
 
     def _release(self, blocks) -> None:
+        # vLLM's free_blocks: freed blocks holding no hash go to the front as a group, those
+        # holding one to the back, each in the order given.
+        front, back = [], []
         for block in blocks:
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self.free_model.append(block)
+                (back if block in self.hash_model else front).append(block)
+        self.free_model[:0] = front
+        self.free_model.extend(back)
 
     def _allocate(self, rid, entry, num_new, cached=(), lookahead=0) -> bool:
         tokens, computed = entry["tokens"], entry["computed"]
