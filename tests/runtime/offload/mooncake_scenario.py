@@ -60,7 +60,10 @@ def start_master(port: int = PORT, *, evicts: bool = False) -> subprocess.Popen:
             f"--rpc_port={port}",
             "--metrics_port",
             str(port + 1),
-            "--default_kv_lease_ttl=100",
+            # A get leases its object; a read whose transfer outlasts the lease fails with
+            # LEASE_EXPIRED. 100 ms did under two busy loops (3 loads lost in the engine
+            # scenario): a lease is a bound on a transfer, so give it one no load reaches.
+            "--default_kv_lease_ttl=600000",
             *eviction,
         ],
         stdout=subprocess.DEVNULL,
