@@ -31,7 +31,7 @@ from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.runner import request_rows
-from runtime.runner.errors import RunnerLost
+from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
@@ -183,6 +183,20 @@ class ModelRunner:
             if self.rows[r].sampling_params.prompt_logprobs is not None
             and self.rows[r].num_prompt_logprobs_done < self.rows[r].prompt_len - 1
         )
+        skipped = [
+            r
+            for r in want_prompt
+            if self.rows[r].num_computed_tokens > self.rows[r].num_prompt_logprobs_done
+        ]
+        if skipped:
+            row = self.rows[skipped[0]]
+            raise RequestFailed(
+                skipped,
+                f"request {row.req_id!r} asks for prompt logprobs but computes from prompt "
+                f"position {row.num_computed_tokens}: the logprobs of positions "
+                f"{row.num_prompt_logprobs_done}..{row.num_computed_tokens - 1} were never "
+                "computed (a prefix-cache hit or KV load must not skip its prompt)",
+            )
         hb = self.builder.build(
             self.rows, so.num_scheduled_tokens, order, want_prompt_logprobs=want_prompt
         )
@@ -256,13 +270,7 @@ class ModelRunner:
         for rid, (start, n) in hb.prompt_logprob_rows.items():
             row = self.rows[rid]
             chunk = row.num_computed_tokens  # prompt position of the chunk's first token
-            done = row.num_prompt_logprobs_done
-            if chunk > done:
-                raise RuntimeError(
-                    f"request {rid!r}: computing from prompt position {chunk}, but the logprobs "
-                    f"of positions {done}..{chunk - 1} were never computed (a prefix-cache hit or "
-                    "KV load must not skip the prompt of a request asking for prompt logprobs)"
-                )
+            done = row.num_prompt_logprobs_done  # <= chunk: checked before the step
             # The logprob at position p is for token p + 1; the last prompt position predicts the
             # first output token, which is not a prompt logprob. Positions before `done` were
             # returned before a preemption.

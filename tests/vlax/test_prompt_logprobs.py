@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from model.testing import hf_greedy, hf_load, hf_logits, write_tiny_checkpoint
+from runtime.core.outputs import NewRequestData, SchedulerOutput
+from runtime.runner.errors import RequestFailed
 from vlax import LLM, SamplingParams
 
 BLOCK = 4
@@ -92,7 +94,7 @@ def generate(llm, prompt, params):
 
 
 def test_prompt_logprobs_with_and_without_a_prefix_hit_match_hf(path, hf, prompts):
-    llm = LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=2)
+    llm = LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=2, record_steps=None)
     # No hit: nothing is cached yet.
     fresh, _ = generate(llm, prompts["fresh"], WITH_PROMPT_LOGPROBS)
     check_prompt_logprobs(fresh, hf)
@@ -110,10 +112,44 @@ def test_prompt_logprobs_with_and_without_a_prefix_hit_match_hf(path, hf, prompt
     again, _ = generate(llm, prompts["hit"], PLAIN)
     assert new_request_data(llm, again.request_id).num_computed_tokens == 36
 
+    # The runner's own guard, should a prompt-logprobs request ever start past its first token
+    # again: that request fails before the device step, named, and the runner is left as it was.
+    runner = llm.engine.runner
+    start = SchedulerOutput(
+        step=10_000,
+        scheduled_new_reqs=(
+            NewRequestData(
+                "skipped",
+                tuple(prompts["hit"]),
+                (),
+                WITH_PROMPT_LOGPROBS,
+                tuple(range(1, 11)),
+                num_computed_tokens=32,
+            ),
+        ),
+        scheduled_cached_reqs=(),
+        num_scheduled_tokens={"skipped": 8},
+        total_num_scheduled_tokens=8,
+        scheduled_encoder_inputs={},
+        free_encoder_hashes=(),
+        preempted_req_ids=(),
+        finished_req_ids=(),
+    )
+    with pytest.raises(RequestFailed, match="positions 0..31 were never computed") as failed:
+        runner.execute(start)
+    assert failed.value.request_ids == ("skipped",) and "skipped" not in runner.rows
+
 
 def test_prompt_logprobs_over_chunked_prefill_with_a_prefix_hit_match_hf(path, hf, prompts):
     # A 16-token budget: the 40-token prompt is computed in chunks of 16, 16 and 8.
-    llm = LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(
+        path,
+        max_model_len=64,
+        block_size=BLOCK,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        record_steps=None,
+    )
     generate(llm, prompts["warm"], PLAIN)
     out, steps = generate(llm, prompts["hit2"], WITH_PROMPT_LOGPROBS)
     chunks = [so.num_scheduled_tokens[out.request_id] for so in steps[:3]]
@@ -143,6 +179,7 @@ def test_prompt_logprobs_of_preempted_requests_match_hf(path, hf, prompts):
         max_num_seqs=2,
         num_kv_blocks=17,
         max_num_batched_tokens=12,
+        record_steps=None,
     )
     rng = np.random.default_rng(5)
     cases = [
@@ -190,6 +227,7 @@ def test_prompt_logprobs_request_loads_nothing_from_the_kv_store(path, hf, promp
         num_kv_blocks=24,
         kv_offload="host",
         kv_offload_bytes=8 << 20,
+        record_steps=None,
     )
     try:
         generate(llm, prompts["hit"], PLAIN)
