@@ -2,8 +2,9 @@
 
 One rule for every request: give it tokens until its computed count catches up with the tokens it
 has (chunked prefill, decode and prefix hits alike). Running requests first, in admission order;
-when blocks run out, preempt by recompute. Waiting requests next, head of the queue first, and
-only if nothing was preempted this step.
+when blocks run out, preempt by recompute (FCFS: the last admitted; priority: the least urgent,
+which may be the request itself, and then the loop goes on with the next one). Waiting requests
+next, head of the queue first, and only if nothing was preempted this step.
 
 `num_computed_tokens` of the returned state is still the count before this step; `update` adds
 the scheduled tokens once the runner has computed them.
@@ -141,6 +142,12 @@ def _schedule_running(step: _Step) -> None:
         else:
             new_blocks, index = _allocate_or_preempt(step, index, request, num_new)
             if new_blocks is None:
+                # It preempted itself. FCFS: it was the last running request, so nothing is
+                # left. Priority: it was the lowest-priority one; the requests after it may
+                # still fit in the blocks it freed, and `index` already names the next one
+                # (vLLM's running loop goes on the same way).
+                if step.config.policy == "priority":
+                    continue
                 break
         num_scheduled[request_id] = num_new
         new_blocks_of[request_id] = new_blocks
@@ -158,8 +165,8 @@ def _allocate_or_preempt(
 ) -> tuple[tuple[int, ...] | None, int]:
     """Allocate slots for a running request, preempting others (or itself) until it fits.
 
-    Returns the freshly appended block ids (None if the request itself was preempted) and the
-    loop index, moved back when an already scheduled request was preempted.
+    Returns the freshly appended block ids (None if the request itself was preempted, having
+    left `running`) and the loop index, moved back when an earlier request was preempted.
     """
     request_id = request.request_id
     while True:

@@ -202,6 +202,16 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
             not ec.is_cached(after.encoder, content_hash),
             f"free notice for {content_hash!r}, which is still cached",
         )
+    # vLLM's running loop ends early only when the token budget runs out (a request that
+    # preempts itself lets the loop go on): with budget left, every request still running got
+    # tokens, unless an encoder input it needs cannot run this step.
+    left = config.max_num_batched_tokens - output.total_num_scheduled_tokens
+    if left > 0:
+        for request_id in after.running:
+            _require(
+                request_id in scheduled or bool(after.requests[request_id].mm_inputs),
+                f"running {request_id!r} got no tokens while {left} budget tokens were left",
+            )
     for request_id in output.preempted_req_ids:
         _require(
             not kvc.has_request(after.kv, request_id) or request_id in scheduled,

@@ -2,10 +2,11 @@
 
 After every transition the ARCHITECTURE.md invariants hold; every request that is not aborted
 finishes with exactly the tokens a model run alone would give it, whatever the interleaving
-(chunking, preemption, prefix hits) did to it.
+(chunking, preemption, prefix hits) did to it. The same holds for whole workloads under the priority
+policy (random priorities, arrivals over time, aborts) on a pool that preempts often.
 """
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -24,8 +25,10 @@ CONFIGS = [
     {"policy": "fcfs"},
     {"policy": "priority"},
     {"policy": "fcfs", "long_prefill_token_threshold": 6},
+    {"policy": "priority", "long_prefill_token_threshold": 6},
     {"policy": "priority", "enable_prefix_caching": False},
     {"policy": "fcfs", "enable_chunked_prefill": False, "max_num_batched_tokens": 40},
+    {"policy": "priority", "enable_chunked_prefill": False, "max_num_batched_tokens": 40},
 ]
 
 
@@ -75,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         data=st.data(),
         base=st.sampled_from(BASES),
         length=st.integers(1, 30),
-        max_tokens=st.integers(1, 12),
+        max_tokens=st.integers(1, 24),
         min_tokens=st.integers(0, 3),
         ignore_eos=st.booleans(),
         stop_ids=st.sampled_from([(), (9,)]),
@@ -129,6 +132,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self._collect(outputs)
 
+    @precondition(lambda self: self.pending is None)
+    @rule(steps=st.integers(2, 16))
+    def run_steps(self, steps):
+        """Several whole steps at once, so requests reach their decodes and the pool runs out
+        (preemptions, and under priority a request preempting itself) within a short run."""
+        for _ in range(steps):
+            check_state(self.state)
+            self.schedule()
+            self.update()
+
     @rule(data=st.data())
     def abort(self, data):
         if not self.live:
@@ -171,3 +184,75 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_stateful = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- whole priority workloads
+
+PRIORITY_CONFIGS = [
+    {},
+    {"long_prefill_token_threshold": 6},
+    {"enable_prefix_caching": False},
+    {"enable_chunked_prefill": False, "max_num_batched_tokens": 40},
+]
+ARRIVALS = st.tuples(
+    st.integers(0, 40),  # arrival step
+    st.sampled_from(BASES),
+    st.integers(1, 30),  # prompt length
+    st.integers(1, 24),  # max_tokens
+    st.integers(0, 3),  # priority
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    overrides=st.sampled_from(PRIORITY_CONFIGS),
+    arrivals=st.lists(ARRIVALS, min_size=2, max_size=10),
+    aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), max_size=3),
+)
+def test_priority_workloads_run_to_completion(overrides, arrivals, aborts):
+    """Requests with random priorities arriving over time on a pool that preempts often (so the
+    least urgent running request often needs a block itself), with aborts at random steps: the
+    invariants hold after every transition and every request not aborted gets its own tokens."""
+    config = {
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "max_model_len": MAX_MODEL_LEN,
+        "block_size": BLOCK_SIZE,
+        "num_blocks": 11,
+        "policy": "priority",
+        **overrides,
+    }
+    state = sch.make_scheduler(sch.SchedulerConfig(**config))
+    arrivals = sorted(enumerate(arrivals), key=lambda item: item[1][0])
+    live, tokens = {}, {}
+    for step in range(600):
+        while arrivals and arrivals[0][1][0] <= step:
+            index, (_, base, length, max_tokens, priority) = arrivals.pop(0)
+            request = Request(
+                f"r{index}",
+                base[:length],
+                SamplingParams(max_tokens=max_tokens),
+                eos_token_ids=(EOS,),
+                arrival_time=float(index),
+                priority=priority,
+            )
+            state = sch.add_request(state, request)
+            live[request.request_id], tokens[request.request_id] = request, ()
+        for request_id in [f"r{k}" for at, k in aborts if at == step and f"r{k}" in live]:
+            state = sch.abort_requests(state, [request_id])
+            del live[request_id]
+        check_state(state)
+        if not arrivals and not sch.has_unfinished_requests(state):
+            break
+        scheduled, out = sch.schedule(state)
+        check_state(scheduled)
+        check_output(state, scheduled, out)
+        state, outputs = sch.update(scheduled, out, runner_output(scheduled, out, model_token))
+        for o in outputs:
+            tokens[o.req_id] += o.new_token_ids
+            if o.finished:
+                request = live.pop(o.req_id)
+                assert (tokens[o.req_id], o.finish_reason) == alone(request), o.req_id
+    assert not live and not arrivals, f"never finished: {sorted(live)}"
+    check_state(state)
+    assert state.kv.pool.num_free == state.kv.pool.num_blocks - 1
