@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kda import heuristics, shapes
+from pallas_kernels.masked_values import nonfinite
 from pallas_kernels.platform import num_cores, resolve_interpret, triton_params
 
 HI = lax.Precision.HIGHEST
@@ -90,6 +91,14 @@ def _prefill_kernel(
         k = plt.load(k_ref.at[pl.ds(t0, c), :], mask=mk, other=0.0).astype(jnp.float32)
         g = plt.load(g_ref.at[pl.ds(t0, c), :], mask=mk, other=0.0).astype(jnp.float32)
         b = plt.load(b_ref.at[pl.ds(t0, c)], mask=live, other=0.0).astype(jnp.float32)[:, None]
+        # The chunk's products give a later token an exact 0 weight in earlier rows, but 0 * NaN
+        # is NaN (masked_values.py): a token whose k, g or beta is not finite enters as zeros,
+        # and the rows from it on are set to NaN below, as the recurrence makes them (a NaN q
+        # only ever reaches its own row).
+        bad = jnp.maximum(jnp.max(nonfinite(k) + nonfinite(g), axis=1), nonfinite(b)[:, 0])
+        k, g, b = (jnp.where(bad[:, None] > 0, 0.0, x) for x in (k, g, b))
+        since_bad = jnp.cumsum(bad, axis=0)[:, None] > 0
+        chunk_bad = jnp.max(bad) > 0
         if l2norm_qk:
             q, k = _l2norm(q), _l2norm(k)
         q = q * scale
@@ -124,10 +133,16 @@ def _prefill_kernel(
         new = []
         for cols, s in zip(tiles, state, strict=True):
             v = plt.load(v_ref.at[pl.ds(t0, c), cols], mask=mv, other=0.0).astype(jnp.float32)
+            # A non-finite value reaches only its own column (one row of the state), from its
+            # token on.
+            v_bad = nonfinite(v)
+            v = jnp.where(v_bad > 0, 0.0, v)
             vp = _dot(tinv, b * v, 1, 0) - _dot(w, s, 1, 1)
             o = _dot(q_dec, s, 1, 1) + _dot(aqk, vp, 1, 0)
+            o = jnp.where(since_bad | (jnp.cumsum(v_bad, axis=0) > 0), jnp.nan, o)
             plt.store(o_ref.at[pl.ds(t0, c), cols], o.astype(o_ref.dtype), mask=mv)
-            new.append(s * keep + _dot(vp, k_rest, 0, 0))
+            s = s * keep + _dot(vp, k_rest, 0, 0)
+            new.append(jnp.where(chunk_bad | (jnp.max(v_bad, axis=0)[:, None] > 0), jnp.nan, s))
         return tuple(new)
 
     state = tuple(s0_ref[cols, :].astype(jnp.float32) for cols in tiles)

@@ -93,7 +93,25 @@ def chunk_step(s, q, k, v, g, beta):
 
     s [HV, V, K]; q (scaled), k, g [C, HV, K]; v [C, HV, V]; beta [C, HV]. Rows past the chunk's end
     must be zero in k, v, g and beta.
+
+    The products give a later token an exact 0 weight in earlier rows, but 0 * NaN is NaN: a
+    token whose k, g or beta is not finite enters as zeros and makes every output from it on
+    NaN, a non-finite value its own column from it on, as the recurrence does
+    (pallas_kernels/masked_values.py).
     """
+    bad = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(g).all(-1) & jnp.isfinite(beta))  # [C, HV]
+    k, g = (jnp.where(bad[..., None], 0.0, x) for x in (k, g))
+    beta = jnp.where(bad, 0.0, beta)
+    v_bad = ~jnp.isfinite(v)
+    v = jnp.where(v_bad, 0.0, v)
+    s, o = _chunk_products(s, q, k, v, g, beta)
+    since_bad = (jnp.cumsum(bad, axis=0) > 0)[..., None] | (jnp.cumsum(v_bad, axis=0) > 0)
+    s_bad = bad.any(axis=0)[:, None] | v_bad.any(axis=0)  # [HV, V]
+    return jnp.where(s_bad[..., None], jnp.nan, s), jnp.where(since_bad, jnp.nan, o)
+
+
+def _chunk_products(s, q, k, v, g, beta):
+    """chunk_step on finite inputs."""
     c = q.shape[0]
     cum = jnp.cumsum(g, axis=0)
     diff = cum[:, None] - cum[None, :]  # [i, j, HV, K]

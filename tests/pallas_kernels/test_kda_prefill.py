@@ -83,3 +83,33 @@ def test_prefill_rejects_what_it_cannot_serve():
     wide = prefill_inputs(rng, (3,), 3, 1, 1, 48, 32, dtype=jnp.float32)
     with pytest.raises(ValueError, match="K=48 must be a power of two"):
         kernel.kda_prefill(*wide, scale=1.0, interpret=True)
+
+
+def test_a_later_nan_never_reaches_earlier_tokens_of_its_chunk():
+    """The scenario that used to break: a chunk's triangular products give a later token a 0
+    weight in an earlier token's output, but 0 * NaN is NaN, so one non-finite k, g, beta or v
+    made its whole chunk NaN (tokens before it included). Now the kernel and the chunked
+    reference put NaN exactly where the per-token recurrence does: from that token on, in every
+    value column for k / g / beta, in its own column for v (a NaN q stays in its own row)."""
+    from pallas_kernels.kda.reference import kda_chunk_reference
+
+    rng = np.random.default_rng(9)
+    lens, t, h, hv, kd, vd = (20, 30, 5), 64, 1, 2, 16, 32
+    q, k, v, g, beta, cu, s0 = prefill_inputs(rng, lens, t, h, hv, kd, vd, dtype=jnp.float32)
+    v = v.at[10, 0, 3].set(jnp.nan)  # sequence 0: column 3 of value head 0 from token 10 on
+    k = k.at[13, 0, 5].set(jnp.inf)  # sequence 0: everything from token 13 on
+    q = q.at[25, 0, 1].set(jnp.nan)  # sequence 1: token 25 only
+    g = g.at[45, 1, 2].set(jnp.nan)  # sequence 1: value head 1 from token 45 on
+    beta = beta.at[52, 0].set(jnp.inf)  # sequence 2: value head 0 from token 52 on
+    args = (q, k, v, g, beta, cu, s0)
+    want_o, want_s = (np.asarray(x) for x in kda_recurrent_reference(*args, scale=0.25))
+    assert np.isfinite(want_o[:10]).all() and np.isfinite(want_o[[26, 44, 51]]).all()
+    runs = {
+        "kernel": jax.jit(lambda *a: kernel.kda_prefill(*a, scale=0.25, interpret=True)),
+        "chunk reference": jax.jit(lambda *a: kda_chunk_reference(*a, scale=0.25, chunk_size=16)),
+    }
+    for name, fn in runs.items():
+        o, s = (np.asarray(x) for x in fn(*args))
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(want_o), err_msg=name)
+        np.testing.assert_array_equal(np.isnan(s), np.isnan(want_s), err_msg=name)
+        np.testing.assert_allclose(o, want_o, atol=1e-4, rtol=1e-4, err_msg=name)
