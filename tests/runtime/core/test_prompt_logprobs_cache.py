@@ -76,7 +76,9 @@ def test_a_preempted_prompt_logprobs_request_is_recomputed_from_its_first_token(
 
 def test_a_prompt_logprobs_request_does_not_load_from_the_kv_store():
     state = enable_kv_jobs(make(block_size=BLOCK, max_num_batched_tokens=64))
-    twin = add(make(block_size=BLOCK, max_num_batched_tokens=64), request("x", PROMPT, 1)).requests["x"]
+    twin = add(make(block_size=BLOCK, max_num_batched_tokens=64), request("x", PROMPT, 1)).requests[
+        "x"
+    ]
     # The store holds the whole prompt's blocks (as another engine would have stored them).
     state = replace(state, kv_jobs=kj.note_stored(state.kv_jobs, twin.block_hashes))
     state = add(state, request("lp", PROMPT, 1, prompt_logprobs=1))
@@ -85,7 +87,10 @@ def test_a_prompt_logprobs_request_does_not_load_from_the_kv_store():
     assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     assert out.num_scheduled_tokens["lp"] == 40
     # A plain request with the same prompt does load the 9 blocks it may use.
-    state = add(enable_kv_jobs(make(block_size=BLOCK, max_num_batched_tokens=64)), request("plain", PROMPT, 1))
+    state = add(
+        enable_kv_jobs(make(block_size=BLOCK, max_num_batched_tokens=64)),
+        request("plain", PROMPT, 1),
+    )
     state = replace(state, kv_jobs=kj.note_stored(state.kv_jobs, twin.block_hashes))
     _, out = schedule(state)
     (load,) = out.kv_jobs
