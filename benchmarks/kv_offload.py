@@ -186,7 +186,7 @@ def _serve(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
     from runtime.core.request import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    first_step = len(engine.stats)
+    first = engine.totals.prefill_tokens
     start = time.perf_counter()
     engine.add_request(request_id, prompt, params)
     while not any(t.request_id == request_id for t in engine.step()):
@@ -194,7 +194,7 @@ def _serve(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, sum(s.num_prefill_tokens for s in engine.stats[first_step:])
+    return seconds, engine.totals.prefill_tokens - first
 
 
 def _ttft_round(engine, round_: int, rng) -> tuple[float, int]:

@@ -12,6 +12,7 @@ Each side runs once as a warm-up (compilation, allocator) and is then timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -111,14 +112,18 @@ def run_vlax(path, prompts, out_lens, dtype):
     vocab = CONFIG["vocab_size"]
     other = [{"prompt_token_ids": [3 + (t + 7) % (vocab - 3) for t in p]} for p in prompts]
     llm.generate(other, params, use_tqdm=False)
-    stats_from = len(llm.engine.stats)
+    before = dataclasses.replace(llm.engine.totals)
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outs]
     assert got == list(out_lens), "vlax produced the wrong number of tokens"
-    stats = llm.engine.stats[stats_from:]
-    return elapsed, stats
+    after = llm.engine.totals
+    counts = {
+        name: getattr(after, name) - getattr(before, name)
+        for name in ("steps", "prefill_tokens", "decode_tokens")
+    }
+    return elapsed, counts
 
 
 def run_hf(path, prompts, out_lens, dtype):
@@ -164,10 +169,9 @@ def measure(dtype: str, num_requests: int, tmp: str) -> dict:
     write_checkpoint(path, dtype)
     prompts, out_lens = workload(num_requests)
     out_tokens = sum(out_lens)
-    vlax_s, stats = run_vlax(path, prompts, out_lens, dtype)
+    vlax_s, counts = run_vlax(path, prompts, out_lens, dtype)
     hf_s = run_hf(path, prompts, out_lens, dtype)
-    prefill_tok = sum(s.num_prefill_tokens for s in stats)
-    decode_tok = sum(s.num_decode_tokens for s in stats)
+    prefill_tok, decode_tok = counts["prefill_tokens"], counts["decode_tokens"]
     peak = peak_flops(dtype)
     return {
         "vlax_tok_s": out_tokens / vlax_s,
@@ -177,7 +181,7 @@ def measure(dtype: str, num_requests: int, tmp: str) -> dict:
         "hf_s": hf_s,
         "vlax_prefill_tok_s": prefill_tok / vlax_s,
         "vlax_decode_tok_s": decode_tok / vlax_s,
-        "vlax_steps": len(stats),
+        "vlax_steps": counts["steps"],
         "mfu": model_flops(prompts, out_lens) / vlax_s / peak,
         "peak_matmul_gflop_s": peak / 1e9,
         "output_tokens": out_tokens,

@@ -1,31 +1,47 @@
-"""The engine loop: add requests, schedule, execute, update, detokenize, and report outputs.
+"""The engine loop: admit requests, schedule, execute, update, and report finished requests.
 
-The scheduler state is a pure value; the engine holds the current one, hands each SchedulerOutput to
-the model runner, and feeds the runner's output back into `update`. Stop strings are found here, in
-the detokenizer, and turned into a pure `finish_requests` transition.
+The pure core (runtime/core) decides; around it, three parts with one job each: the input processor
+(runtime/input_processor.py) validates a request before anything is scheduled, the model runner
+executes a step, and the output processor (runtime/output_processor.py) turns the core's outputs
+into RequestOutputs and ends requests on stop strings.
+
+The engine holds the current core state and replaces it only when a step has gone through: if
+execute fails, the state of before the step stays current (the runner undoes its own changes,
+runtime/runner/errors.py), the requests the failure names finish with finish_reason "error", and
+the others go on. A failure after the device took the KV cache, or in update, leaves the runner and
+the core out of step; the engine then refuses to go on (EngineDeadError) rather than serve from a
+cache in an unknown state.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from model.config import ModelConfig
 from runtime.config import ConfigError, EngineConfig
 from runtime.core import kv_cache, kv_jobs
 from runtime.core import scheduler as sched
-from runtime.core.outputs import EngineCoreOutput, LogprobsEntry, SchedulerOutput
+from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import FinishReason, Request, SamplingParams
 from runtime.core.scheduler_config import SchedulerConfig
 from runtime.core.scheduler_kv_jobs import enable_kv_jobs, has_pending_kv_jobs
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.input_processor import InputProcessor, ProcessedRequest
+from runtime.output_processor import OutputProcessor
+from runtime.request_output import RequestOutput
+from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.model_runner import ModelRunner
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class EngineDeadError(RuntimeError):
+    """The engine met a failure it cannot undo and serves no more requests (as vLLM's)."""
 
 
 @dataclass
@@ -40,27 +56,28 @@ class StepStats:
 
 
 @dataclass
-class TrackedRequest:
-    """Engine-side view of one request: its text so far, logprobs, and how it ended."""
+class StepTotals:
+    """Counts over the engine's whole life, kept whether or not steps are recorded."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    detok: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[LogprobsEntry] = field(default_factory=list)
-    prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def text(self) -> str:
-        return "" if self.detok is None else self.detok.output_text
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, record: bool = False) -> None:
+    """`record_steps`: keep the last N steps' SchedulerOutputs in `history` and StepStats in
+    `stats` (None: every step; 0, the default: none, so a long batch job keeps nothing per step).
+    `totals` counts steps and tokens either way."""
+
+    def __init__(self, config: EngineConfig, *, record_steps: int | None = 0) -> None:
+        if record_steps is not None and (
+            isinstance(record_steps, bool) or not isinstance(record_steps, int) or record_steps < 0
+        ):
+            raise ConfigError(
+                f"record_steps must be None (keep every step), 0 (keep none) or a positive int "
+                f"(keep the last N), got {record_steps!r}"
+            )
         self.config = config
         mc = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
         if mc.runner_type != "generate":
@@ -87,6 +104,8 @@ class Engine:
         self.model_config = mc
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
+        self.input_processor = InputProcessor(mc, self.tokenizer, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.runner = ModelRunner(
             mc,
             block_size=config.block_size,
@@ -114,17 +133,18 @@ class Engine:
         self.offloader = self._make_offloader(config)
         if self.offloader is not None:
             self.state = enable_kv_jobs(self.state)
-        self.record = record
+        self.record_steps = record_steps
         self.history: list[SchedulerOutput] = []
         self.stats: list[StepStats] = []
-        self.tracked: dict[str, TrackedRequest] = {}
+        self.totals = StepTotals()
         # Requests held back until a shared store says how much of their prefix it holds:
         # request id -> (lookup id, request). Lookup ids never repeat, so a late answer for an
         # aborted request is never taken for a later request with the same id.
         self._looking_up: dict[str, tuple[int, Request]] = {}
         self._lookup_ids = itertools.count()
         self._arrival = itertools.count()
-        self.num_generated_tokens = 0
+        # The failure that ended the engine, if one did.
+        self._dead: BaseException | None = None
 
     def _make_offloader(self, config: EngineConfig):
         """The KV offloader over the store `kv_offload` names (built here, closed with the
@@ -161,89 +181,99 @@ class Engine:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Every EOS id: the checkpoint config's, generation_config.json's, the tokenizer's."""
-        found = self.model_config.hf_config.get("eos_token_id")
-        config = () if found is None else (tuple(found) if not isinstance(found, int) else (found,))
-        tok = (
-            ()
-            if self.tokenizer is None or self.tokenizer.eos_token_id is None
-            else (self.tokenizer.eos_token_id,)
+        return self.input_processor.eos_token_ids
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.output_processor.num_generated_tokens
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Validate a request (raising an error that names the bad value) without admitting it;
+        `params=None` takes the checkpoint's generation defaults."""
+        return self.input_processor.process(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt=prompt,
+            priority=priority,
+            arrival_time=float(next(self._arrival)),
         )
-        return tuple(dict.fromkeys(config + self.model_config.eos_token_ids + tok))
 
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
         *,
         prompt: str | None = None,
         priority: int = 0,
     ) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: prompt token id {bad[0]} is outside the vocabulary "
-                f"[0, {vocab})"
-            )
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=float(next(self._arrival)),
-            priority=priority,
-        )
-        if request_id in self._looking_up:
-            raise sched.SchedulerError(
-                f"add_request: request id {request_id!r} is in use by an unfinished request"
-            )
-        # The core validates (and hashes) the request; the state is a value, so a trial add
-        # costs nothing when the request has to wait for its lookup first.
-        added = sched.add_request(self.state, request)
-        if self.offloader is not None and self.offloader.store.shared:
-            # A shared pool may hold prefixes other engines stored. Asking it can block (a
-            # Mooncake master that is down answers after ~4 s), so the request waits for the
-            # answer outside the scheduler while the others run (runtime/offload/lookup.py).
-            lookup_id = next(self._lookup_ids)
-            self._looking_up[request_id] = (lookup_id, request)
-            self.offloader.submit_lookup(
-                (lookup_id, request_id), added.requests[request_id].block_hashes
-            )
-        else:
-            self.state = added
-        detok = (
-            None
-            if self.tokenizer is None
-            else IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)
-        )
-        self.tracked[request_id] = TrackedRequest(
-            request_id, prompt, list(prompt_token_ids), params, detok
+        self.add_processed(
+            [
+                self.process_request(
+                    request_id, prompt_token_ids, params, prompt=prompt, priority=priority
+                )
+            ]
         )
 
-    def abort_request(self, request_ids) -> list[TrackedRequest]:
+    def add_processed(self, batch: Sequence[ProcessedRequest]) -> None:
+        """Admit processed requests: all of them, or (when one cannot be) none."""
+        names: set[str] = set()
+        samples: set[str] = set()
+        state = self.state
+        admitted = []  # (state with the sample added, sample), in order
+        for processed in batch:
+            rid = processed.request_id
+            if rid in names or self.output_processor.has_request(rid):
+                raise ValueError(f"request id {rid!r} is in use by an unfinished request")
+            names.add(rid)
+            for child in processed.children:
+                cid = child.request_id
+                if cid in samples or cid in self._looking_up:
+                    raise ValueError(f"request id {cid!r} is in use by an unfinished request")
+                samples.add(cid)
+                # The core validates (and hashes) the request; the state is a value, so a trial
+                # add costs nothing, and nothing is kept if a later request is refused.
+                state = sched.add_request(state, child)
+                admitted.append((state, child))
+        if self.offloader is not None and self.offloader.store.shared:
+            # A shared pool may hold prefixes other engines stored. Asking it can block (a
+            # Mooncake master that is down answers after ~4 s), so each request waits for the
+            # answer outside the scheduler while the others run (runtime/offload/lookup.py).
+            for added, child in admitted:
+                cid = child.request_id
+                lookup_id = next(self._lookup_ids)
+                self._looking_up[cid] = (lookup_id, child)
+                self.offloader.submit_lookup((lookup_id, cid), added.requests[cid].block_hashes)
+        else:
+            self.state = state
+        for processed in batch:
+            self.output_processor.add(processed)
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort the unfinished requests among `request_ids` (running, waiting, preempted or
         waiting for a KV load), as vLLM's `LLMEngine.abort_request`; ids that already finished or
-        were never added are passed over. Returns the aborted requests: their final outputs
-        (finish_reason ABORT), reported here and never again by `step`."""
-        request_ids = list(
-            dict.fromkeys(
-                r for r in request_ids if sched.has_request(self.state, r) or r in self._looking_up
-            )
-        )
+        were never added are passed over. Returns the aborted requests' final outputs
+        (finish_reason "abort"), reported here and never again by `step`."""
+        samples = self.output_processor.samples_of(dict.fromkeys(request_ids))
+        if not samples:
+            return []
         # A request still waiting for its lookup is not in the scheduler yet; its answer, when
         # it comes, is dropped (the lookup id no longer matches).
-        in_core = [r for r in request_ids if self._looking_up.pop(r, None) is None]
-        self.state = sched.abort_requests(self.state, in_core)
-        aborted = []
-        for rid in request_ids:
-            tracked = self.tracked[rid]
-            tracked.finish_reason, tracked.stop_reason = FinishReason.ABORT, None
-            aborted.append(tracked)
-        return aborted
+        for sample in samples:
+            self._looking_up.pop(sample, None)
+        self.state, outputs = self.output_processor.finish(self.state, samples, FinishReason.ABORT)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or KV jobs still pinning blocks (their completions arrive only
@@ -280,28 +310,65 @@ class Engine:
                 del self._looking_up[request_id]
                 self.state = sched.add_request(self.state, held[1])
 
-    def step(self) -> list[TrackedRequest]:
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
         """One schedule / execute / update round; returns the requests that finished in it."""
+        if self._dead is not None:
+            raise EngineDeadError(
+                f"this engine stopped serving after a failure it cannot undo ({self._dead!r}); "
+                "build a new one"
+            ) from self._dead
         if self.offloader is not None:
             self._admit_looked_up()
         before = self.state
-        self.state, so = sched.schedule(self.state)
-        runner_out = self.runner.execute(so)
-        results = ()
-        if self.offloader is not None:
-            # After execute: the blocks a store job gathers hold this step's KV.
-            self.offloader.start(self.runner.kv_caches, so.kv_jobs)
-            idle = so.total_num_scheduled_tokens == 0
-            self.runner.kv_caches, results = self.offloader.finish(
-                self.runner.kv_caches, wait_s=0.01 if idle else 0.0
-            )
-        self.state, outputs = sched.update(self.state, so, runner_out, results)
-        if self.record:
-            self.history.append(so)
-        self._record_stats(before, so)
-        return self._process(outputs)
+        scheduled, so = sched.schedule(before)
+        try:
+            runner_out = self.runner.execute(so)
+        except RequestFailed as err:
+            # The runner is as before the call, so `before` is still the truth.
+            return self._fail(before, so, err)
+        except RunnerLost as err:
+            raise self._die(err) from err
+        # Any other exception leaves the runner as before the call too: `before` stays current,
+        # and the caller gets the exception.
+        try:
+            results = ()
+            if self.offloader is not None:
+                # After execute: the blocks a store job gathers hold this step's KV.
+                self.offloader.start(self.runner.kv_caches, so.kv_jobs)
+                idle = so.total_num_scheduled_tokens == 0
+                self.runner.kv_caches, results = self.offloader.finish(
+                    self.runner.kv_caches, wait_s=0.01 if idle else 0.0
+                )
+            updated, outputs = sched.update(scheduled, so, runner_out, results)
+            state, finished = self.output_processor.process(scheduled, updated, outputs)
+        except Exception as err:
+            # The runner went on with this step and the core cannot: the two no longer agree.
+            raise self._die(err) from err
+        self.state = state
+        self._count(before, so)
+        return finished
 
-    def _record_stats(self, before, so: SchedulerOutput) -> None:
+    def _fail(self, before, so: SchedulerOutput, err: RequestFailed) -> list[RequestOutput]:
+        failed = [r for r in dict.fromkeys(err.request_ids) if sched.has_request(before, r)]
+        if not failed:
+            raise err
+        log.error("step %d failed for %s; they finish with an error: %s", so.step, failed, err)
+        self.state, outputs = self.output_processor.finish(
+            before, failed, FinishReason.ERROR, error=str(err)
+        )
+        return outputs
+
+    def _die(self, err: BaseException) -> EngineDeadError:
+        self._dead = err
+        log.error("engine stopped: %r", err)
+        return EngineDeadError(
+            f"this engine stopped serving: {err!r} left the model runner and the scheduler out "
+            "of step; build a new one"
+        )
+
+    def _count(self, before, so: SchedulerOutput) -> None:
         prefill = decode = 0
         for rid, n in so.num_scheduled_tokens.items():
             req = before.requests.get(rid)
@@ -309,6 +376,15 @@ class Engine:
                 decode += n
             else:
                 prefill += n
+        totals = self.totals
+        totals.steps += 1
+        totals.prefill_tokens += prefill
+        totals.decode_tokens += decode
+        totals.preemptions += len(so.preempted_req_ids)
+        keep = self.record_steps
+        if keep == 0:
+            return
+        self.history.append(so)
         self.stats.append(
             StepStats(
                 so.step,
@@ -320,33 +396,5 @@ class Engine:
                 self.runner.num_kv_blocks - 1 - kv_cache.num_free_blocks(self.state.kv),
             )
         )
-
-    def _process(self, outputs: tuple[EngineCoreOutput, ...]) -> list[TrackedRequest]:
-        done, stop_hits = [], []
-        for out in outputs:
-            tr = self.tracked[out.req_id]
-            tr.token_ids.extend(out.new_token_ids)
-            self.num_generated_tokens += len(out.new_token_ids)
-            if out.new_logprobs is not None:
-                tr.logprobs.append(out.new_logprobs)
-            if out.new_prompt_logprobs is not None:
-                tr.prompt_logprobs.append(out.new_prompt_logprobs)
-            stop_str = None
-            if tr.detok is not None:
-                stop_token = out.finish_reason is FinishReason.STOP and isinstance(
-                    out.stop_reason, int
-                )
-                stop_str = tr.detok.update(
-                    out.new_token_ids, stop_terminated=stop_token, finished=out.finished
-                )
-            if stop_str is not None:
-                tr.finish_reason, tr.stop_reason = FinishReason.STOP, stop_str
-                if not out.finished:
-                    stop_hits.append(out.req_id)
-                done.append(tr)
-            elif out.finished:
-                tr.finish_reason, tr.stop_reason = out.finish_reason, out.stop_reason
-                done.append(tr)
-        if stop_hits:
-            self.state = sched.finish_requests(self.state, stop_hits, FinishReason.STOP)
-        return done
+        if keep is not None and len(self.history) > keep:
+            del self.history[:-keep], self.stats[:-keep]

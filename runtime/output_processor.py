@@ -142,12 +142,17 @@ class OutputProcessor:
     ) -> tuple[SchedulerState, list[RequestOutput]]:
         """End unfinished samples from outside (abort; a step that failed on them): one core
         transition, and the requests this completes."""
-        sample_ids = list(dict.fromkeys(sample_ids))
-        finished = []
-        for rid in sample_ids:
-            tokens = state.requests[rid].output_token_ids
+        in_core, finished = [], []
+        for rid in dict.fromkeys(sample_ids):
+            request = state.requests.get(rid)
+            if request is not None:
+                in_core.append(rid)
+            # A sample the core does not hold (held back for a KV-store lookup) has no tokens.
+            tokens = () if request is None else request.output_token_ids
             finished += self._finish_sample(rid, tokens, reason, None, error)
-        return sched.finish_requests(state, sample_ids, reason), finished
+        if in_core:
+            state = sched.finish_requests(state, in_core, reason)
+        return state, finished
 
     def _take(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
         """Record one step of a sample; returns the stop string its new text completed."""

@@ -69,7 +69,14 @@ def test_greedy_tokens_and_logprobs_match_hf_with_chunked_prefill(checkpoints, a
     path = checkpoints[arch]
     prompts = _prompts(10, [3, 17, 40, 9, 1])
     # A 16-token budget chunks the 17- and 40-token prompts over several steps, mixed with decodes.
-    llm = LLM(path, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    llm = LLM(
+        path,
+        max_model_len=128,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=4,
+        record_steps=None,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     ref = _hf_reference(path, prompts)
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
@@ -89,6 +96,7 @@ def test_prefix_hits_preemption_and_no_chunking_keep_hf_tokens(checkpoints):
         block_size=4,
         num_kv_blocks=17,
         enable_chunked_prefill=False,
+        record_steps=None,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     ref = _hf_reference(path, prompts)

@@ -17,7 +17,7 @@ import pytest
 
 from model.testing import write_tiny_checkpoint
 from runtime.config import ConfigError
-from runtime.core.request import FinishReason, SamplingParams
+from runtime.core.request import SamplingParams
 from runtime.offload.device_copy import block_nbytes
 from runtime.offload.fault_injection import FaultyStore
 from runtime.offload.host_store import HostStore
@@ -27,7 +27,10 @@ from vlax import LLM
 NUM_PROMPTS, PROMPT_LEN, BLOCK, MAX_TOKENS = 6, 40, 4, 4
 FULL_BLOCKS = (PROMPT_LEN + MAX_TOKENS - 1) // BLOCK  # 10 stored per request
 HIT_BLOCKS = (PROMPT_LEN - 1) // BLOCK  # 9 loaded per repeated prompt
-ENGINE = dict(max_model_len=64, block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2)
+# record_steps=None: the checks read every step's stats and scheduler output.
+ENGINE = dict(
+    max_model_len=64, block_size=BLOCK, num_kv_blocks=24, max_num_seqs=2, record_steps=None
+)
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -261,31 +264,31 @@ def test_a_shared_store_that_blocks_does_not_stall_the_engine(
     finals = {}
 
     def step():
-        for tracked in engine.step():
-            assert tracked.request_id not in finals, f"second final output for {tracked.request_id}"
-            finals[tracked.request_id] = (tracked.finish_reason, list(tracked.token_ids))
+        for out in engine.step():
+            assert out.request_id not in finals, f"second final output for {out.request_id}"
+            finals[out.request_id] = (out.outputs[0].finish_reason, out.outputs[0].token_ids)
 
     try:
         engine.add_request("a", ids(0), PARAMS)
-        while "a" not in engine.state.requests or not engine.tracked["a"].token_ids:
+        while "a" not in engine.state.requests or not engine.state.requests["a"].output_token_ids:
             step()
         store.up.clear()  # the master goes down
         engine.add_request("b", ids(1), PARAMS)  # returns: the lookup waits on its own thread
         engine.add_request("c", ids(2), PARAMS)
         (aborted,) = engine.abort_request(["c"])
-        assert aborted.request_id == "c" and aborted.finish_reason is FinishReason.ABORT
+        assert aborted.request_id == "c" and aborted.outputs[0].finish_reason == "abort"
         engine.add_request("c", ids(3), PARAMS)  # the id again, a new request
         while "a" not in finals:  # "a" runs to its end while the others wait for the pool
             step()
             assert not {"b", "c"} & set(engine.state.requests)
-        assert finals["a"] == (FinishReason.LENGTH, baseline[0])
+        assert finals["a"] == ("length", baseline[0])
         store.up.set()  # the master is back
         while engine.has_unfinished_requests():
             step()
         assert finals == {
-            "a": (FinishReason.LENGTH, baseline[0]),
-            "b": (FinishReason.LENGTH, baseline[1]),
-            "c": (FinishReason.LENGTH, baseline[3]),
+            "a": ("length", baseline[0]),
+            "b": ("length", baseline[1]),
+            "c": ("length", baseline[3]),
         }
         assert store.lookups == 4 and engine.offloader.errors == []
     finally:
