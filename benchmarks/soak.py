@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -132,9 +132,8 @@ def drive(
     next_index = 0
     target = 2 * engine.config.max_num_seqs
 
-    def final(tracked) -> None:
-        outputs.add(live.pop(tracked.request_id, None), tracked)
-        engine.tracked.pop(tracked.request_id, None)
+    def final(output) -> None:
+        outputs.add(live.pop(output.request_id, None), output)
         bar.update(1)
 
     with tqdm(total=len(workload), desc="soak", unit="req", disable=not progress) as bar:
@@ -157,11 +156,11 @@ def drive(
             if live and rng.random() < abort_rate:
                 kind, request_id = pick_abort(engine.state, rng)
                 if request_id is not None:
-                    for tracked in engine.abort_request([request_id]):
-                        final(tracked)
+                    for output in engine.abort_request([request_id]):
+                        final(output)
                     aborts[kind] += 1
-            for tracked in engine.step():
-                final(tracked)
+            for output in engine.step():
+                final(output)
     return outputs, aborts
 
 
@@ -245,7 +244,7 @@ def run_soak(
     gc.collect()
     warm_cpu = time.process_time() - cpu_start - reference_cpu
     rss_warm = rss_bytes()
-    steps_before = len(engine.stats)
+    totals_before = replace(engine.totals)
     faults_before = store.num_injected
     offload_before = engine.offload_stats
 
@@ -272,8 +271,8 @@ def run_soak(
         "aborts_by_state": dict(aborts),
         "store_faults_injected": store.num_injected - faults_before,
         "store_faults_by_kind": {f"{op} {k}": n for (op, k), n in sorted(store.injected.items())},
-        "preemptions": sum(s.num_preempted for s in engine.stats[steps_before:]),
-        "steps": len(engine.stats) - steps_before,
+        "preemptions": engine.totals.preemptions - totals_before.preemptions,
+        "steps": engine.totals.steps - totals_before.steps,
     }
     report.update(check_outputs(workload, outputs, reference, size.max_model_len))
     report.update(check_nothing_held(engine))

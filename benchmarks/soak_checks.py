@@ -27,13 +27,14 @@ class Outputs:
     finals: dict[int, list[Final]] = field(default_factory=dict)
     stray: int = 0  # a final output for an id no live request holds
 
-    def add(self, index: int | None, tracked) -> None:
+    def add(self, index: int | None, output) -> None:
+        """Record `output`, a finished request's RequestOutput, for workload request `index`."""
         if index is None:
             self.stray += 1
             return
-        self.finals.setdefault(index, []).append(
-            Final(tracked.finish_reason, list(tracked.token_ids))
-        )
+        (completion,) = output.outputs
+        reason = FinishReason(completion.finish_reason) if completion.finish_reason else None
+        self.finals.setdefault(index, []).append(Final(reason, list(completion.token_ids)))
 
 
 def check_outputs(
@@ -109,11 +110,13 @@ def check_nothing_held(engine) -> dict:
     # The runner drops a request's row when the next step's output names it finished: rows may
     # wait for exactly the ids the scheduler has yet to report, nothing else.
     rows = set(engine.runner.rows) - set(state.finished_since_last)
+    tracked = engine.output_processor
+    slots = len(rows) + len(state.requests) + len(tracked.requests) + len(tracked.samples)
     return {
         "leaked_blocks": usable - kvc.num_free_blocks(state.kv),
         "leaked_pins": sum(pins.values()),
         "leaked_jobs": in_flight + worker + loading,
-        "leaked_slots": len(rows) + len(state.requests) + len(engine.tracked),
+        "leaked_slots": slots + len(engine._looking_up),
         "invariant_errors": problems,
     }
 
