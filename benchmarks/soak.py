@@ -424,7 +424,7 @@ def main(argv=None) -> int:
         else:
             parser.error(f"--store {kind!r}: expected host or mooncake")
     if args.json:
-        print(json.dumps(reports, indent=1))
+        print(json.dumps({report["store"]: report for report in reports}, indent=1))
     else:
         for report in reports:
             print(f"{report['store']}: " + ", ".join(f"{k}={v}" for k, v in report.items()))
