@@ -1,39 +1,107 @@
-"""Differential check: vlax's scheduler against vLLM V1's synchronous scheduler, step by step.
+"""Differential check: vlax's scheduler against vLLM 0.33's V1 scheduler, step by step.
 
-FCFS, text-only requests, prefix caching and chunked prefill on. Both schedulers get the same
-requests (the scheduler_overhead workloads, plus a tighter pool that preempts more) and the same
-synthetic sampled tokens; every step must schedule the same tokens per request and preempt the
-same requests. vLLM is not a project dependency: run this from a separate environment, e.g.
+Both schedulers get the same requests, arrivals, aborts and synthetic sampled tokens (text only,
+synchronous scheduling); every step must give the same:
+- tokens scheduled per request, and preempted ids in order;
+- computed tokens of each scheduled request before the step (so prefix-hit lengths at
+  admission, and the recompute of resumed requests);
+- running queue, in order;
+- free blocks after schedule() and after update(), and, for pools of at most
+  `FREE_ORDER_MAX_BLOCKS` blocks, the whole free queue in eviction order;
+- requests that finished in update(), with their reason (max_tokens, max_model_len).
+A separate `block_pool` row drives vLLM's BlockPool and vlax's block pool with the same random
+take / cache / hit / release operations and compares the free queue and hash lookups after each.
+
+Workloads (`--cases`; each runs once per seed of `--seeds`):
+- small, large: the scheduler_overhead workloads (every request at step 0);
+- tight: a pool small enough to preempt often;
+- priority: priority policy, random priorities, arrivals over time, tight pool;
+- prefix, prefix_off, prefix_priority: prompts sharing a few long prefixes, arrivals over time,
+  a tight pool (prefix caching on; off; on with the priority policy);
+- aborts, aborts_priority: aborts at seeded steps of running, waiting and preempted requests,
+  applied to both between update() and the next schedule();
+- max_model_len: max_tokens far past a small max_model_len, so most requests hit the cap;
+- no_chunking: chunked prefill off (a prompt waits until it fits the step's budget whole);
+- long_prefill: long_prefill_token_threshold caps each prefill chunk;
+- finish_order: a scripted priority case where a new and a resumed request, admitted in that
+  order, finish in the same step (their order of freeing blocks shows in the free queue);
+- short_outputs: half the requests want 1-3 output tokens, under the priority policy, so new and
+  resumed requests admitted in one step may finish in it (the order they free blocks in matters).
+
+vLLM is not a project dependency: run this from a separate environment, e.g.
 
     python3 -m venv --system-site-packages /tmp/vllmenv
     /tmp/vllmenv/bin/pip install vllm==0.33.0 --no-deps   # + the pure-Python deps it imports
-    /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py --json
+    /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py            # every case, 6 seeds
+    /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py --cases priority --seeds 3 --json
 
 vLLM's Scheduler is built from a folder holding only a tiny config.json, with
-skip_tokenizer_init=True and DeviceConfig(device="cuda"), which touches no GPU.
-
-Each case runs twice: against vLLM as shipped, and with vLLM's free queue aligned to vlax's
-block pool (`--align-free-order`). vLLM 0.33 puts freed blocks that hold no hash at the FRONT of
-its free queue (reused first) and hashed ones at the tail; vlax's block pool appends every freed
-block to the tail in the order given. Under eviction pressure that changes which cached blocks
-survive, hence later prefix hits; the aligned run checks that nothing else differs.
+skip_tokenizer_init=True and DeviceConfig(device="cuda"), which touches no GPU. Exit status 0
+only if every run matched.
 """
 
 import argparse
 import json
 import pathlib
+import random
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.scheduler_overhead import BLOCK_SIZE, CASES, MAX_MODEL_LEN, make_requests  # noqa: E402
+from benchmarks.scheduler_overhead import BLOCK_SIZE, CASES, MAX_MODEL_LEN  # noqa: E402
+from runtime.core import block_pool as bp  # noqa: E402
+from runtime.core import kv_cache as kvc  # noqa: E402
 from runtime.core import scheduler as sch  # noqa: E402
 from runtime.core.outputs import ModelRunnerOutput  # noqa: E402
+from runtime.core.request import Request, RequestStatus, SamplingParams  # noqa: E402
 
+FREE_ORDER_MAX_BLOCKS = 2048
+TIGHT = {"requests": 100, "num_blocks": 256, "max_num_seqs": 64, "max_tokens": 512}
+SHARED = {"requests": 120, "num_blocks": 160, "max_num_seqs": 32, "max_tokens": 256}
 WORKLOADS = {
-    **{name: dict(case) for name, case in CASES.items()},
-    "tight": {"requests": 100, "num_blocks": 256, "max_num_seqs": 64, "max_tokens": 512},
+    **{name: {**case} for name, case in CASES.items()},
+    "tight": TIGHT,
+    "priority": {**TIGHT, "policy": "priority", "arrivals": 300},
+    "prefix": {**SHARED, "prompts": "shared", "arrivals": 400},
+    "prefix_off": {**SHARED, "prompts": "shared", "arrivals": 400, "prefix_caching": False},
+    "prefix_priority": {**SHARED, "prompts": "shared", "arrivals": 400, "policy": "priority"},
+    "aborts": {**SHARED, "prompts": "shared", "arrivals": 300, "abort_rate": 0.08},
+    "aborts_priority": {
+        **SHARED,
+        "prompts": "shared",
+        "arrivals": 300,
+        "abort_rate": 0.08,
+        "policy": "priority",
+    },
+    "max_model_len": {**TIGHT, "max_model_len": 320, "outputs": [(100, 400)], "arrivals": 200},
+    "no_chunking": {
+        **TIGHT,
+        "max_model_len": 640,
+        "max_tokens": 640,
+        "chunked_prefill": False,
+        "arrivals": 200,
+    },
+    "long_prefill": {**TIGHT, "long_prefill": 64, "arrivals": 200},
+    "finish_order": {
+        "requests": 4,
+        "num_blocks": 7,
+        "max_num_seqs": 8,
+        "max_tokens": 256,
+        "max_model_len": 96,
+        "policy": "priority",
+        "prompts": "finish_order",
+    },
+    "short_outputs": {
+        **SHARED,
+        "prompts": "shared",
+        "arrivals": 200,
+        "outputs": [(1, 3), (30, 200)],
+        "policy": "priority",
+        "num_blocks": 96,
+        "max_model_len": 1024,
+    },
 }
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -44,14 +112,76 @@ TINY_CONFIG = {
     "num_key_value_heads": 4,
     "num_hidden_layers": 1,
     "vocab_size": 32000,
-    "max_position_embeddings": MAX_MODEL_LEN,
+    "max_position_embeddings": 4096,
     "torch_dtype": "float16",
 }
+ABORT_KINDS = ("running", "waiting", "preempted")
 
 
 def token(num_tokens: int, num_prompt_tokens: int) -> int:
     """The synthetic model's next token, the same for both schedulers."""
     return (num_tokens * 7919 + num_prompt_tokens) % 30000 + 3
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def make_workload(case: dict, seed: int) -> tuple[list[tuple[int, Request]], list[int]]:
+    """(arrival step, request) pairs in arrival order, and the steps at which an abort is due."""
+    rng = random.Random(seed)
+    if case.get("prompts") == "finish_order":
+        return finish_order_workload(rng), []
+    max_model_len = case.get("max_model_len", MAX_MODEL_LEN)
+    longest = min(600, max_model_len - 1)
+    bases = [tuple(rng.randrange(3, 32000) for _ in range(400)) for _ in range(4)]
+    # max_tokens drawn from one of these ranges, picked per request.
+    outputs = case.get("outputs", [(10, 100)])
+    arrivals = sorted(rng.randrange(case.get("arrivals", 1)) for _ in range(case["requests"]))
+    workload = []
+    for index, step in enumerate(arrivals):
+        if case.get("prompts") == "shared":
+            shared = rng.choice(bases)[: rng.randint(0, 300)]
+            own = tuple(rng.randrange(3, 32000) for _ in range(rng.randint(1, 120)))
+            prompt = (shared + own)[:longest]
+        else:
+            prompt = tuple(rng.randrange(3, 32000) for _ in range(rng.randint(10, longest)))
+        request = Request(
+            f"req-{index}",
+            prompt,
+            SamplingParams(max_tokens=rng.randint(*rng.choice(outputs)), ignore_eos=True),
+            arrival_time=float(index),
+            priority=rng.randint(0, 3) if case.get("policy") == "priority" else 0,
+        )
+        workload.append((step, request))
+    rate = case.get("abort_rate", 0.0)
+    aborts = [step for step in range(100_000) if rate and rng.random() < rate]
+    return workload, aborts
+
+
+def finish_order_workload(rng: random.Random) -> list[tuple[int, Request]]:
+    """p (least urgent) is preempted at step 2 for h; n, more urgent, arrives at step 3 and is
+    admitted before p, and both finish in that step: vLLM frees n's blocks, then p's."""
+
+    def make(name, length, max_tokens, priority, arrival):
+        start = rng.randrange(3, 30000)
+        return Request(
+            name,
+            tuple(range(start, start + length)),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            arrival_time=arrival,
+            priority=priority,
+        )
+
+    size = BLOCK_SIZE
+    return [
+        (0, make("p", size + size // 4, 3, 1, 0.0)),
+        (0, make("h", 2 * size - 1, 40, 0, 1.0)),
+        (0, make("f", 2 * size - 2, 3, 0, 2.0)),
+        (3, make("n", size // 4, 1, 0, 3.0)),
+    ]
+
+
+# ---------------------------------------------------------------- vLLM side
 
 
 def make_vllm_scheduler(case: dict, model_dir: str):
@@ -61,18 +191,23 @@ def make_vllm_scheduler(case: dict, model_dir: str):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    max_model_len = case.get("max_model_len", MAX_MODEL_LEN)
     model_config = ModelConfig(
-        model=model_dir, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
+        model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16"
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=case["max_num_seqs"],
         max_num_batched_tokens=case["max_tokens"],
-        max_model_len=MAX_MODEL_LEN,
-        enable_chunked_prefill=True,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=case.get("chunked_prefill", True),
+        long_prefill_token_threshold=case.get("long_prefill", 0),
+        policy=case.get("policy", "fcfs"),
         is_encoder_decoder=False,
         async_scheduling=False,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, enable_prefix_caching=case.get("prefix_caching", True)
+    )
     cache_config.num_gpu_blocks = case["num_blocks"]
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -92,148 +227,357 @@ def make_vllm_scheduler(case: dict, model_dir: str):
             )
         ],
     )
-    return Scheduler(
+    scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BLOCK_SIZE,
         log_stats=False,
     )
+    # SchedulerOutput.preempted_req_ids is a set; record the order of preemptions as they happen
+    # (an observer only: the method itself runs unchanged).
+    scheduler.preemption_order = []
+    preempt = scheduler._preempt_request
+
+    def recording_preempt(request, *args, **kwargs):
+        scheduler.preemption_order.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = recording_preempt
+    return scheduler
 
 
-def vllm_request(request):
-    from vllm import SamplingParams
+def vllm_request(request: Request):
+    from vllm import SamplingParams as VllmSamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request as VllmRequest
 
     init_none_hash(sha256)
     params = request.sampling_params
-    return Request(
+    return VllmRequest(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
-        sampling_params=SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos),
+        sampling_params=VllmSamplingParams(
+            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+        ),
         pooling_params=None,
         arrival_time=request.arrival_time,
+        priority=request.priority,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 
 
-def vllm_step(scheduler):
+def vllm_step(scheduler, check_order: bool) -> dict:
     from vllm.v1.outputs import ModelRunnerOutput as VllmRunnerOutput
 
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.preemption_order.clear()
     out = scheduler.schedule()
+    assert set(scheduler.preemption_order) == set(out.preempted_req_ids or ())
     req_ids = list(out.num_scheduled_tokens)
-    sampled = []
+    sampled, computed = [], {}
     for request_id in req_ids:
         request = scheduler.requests[request_id]
         # vLLM advances num_computed_tokens inside schedule().
+        computed[request_id] = request.num_computed_tokens - out.num_scheduled_tokens[request_id]
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([token(request.num_tokens, request.num_prompt_tokens)] if done else [])
+    row = {
+        "scheduled": dict(out.num_scheduled_tokens),
+        "preempted": list(scheduler.preemption_order),
+        "computed_before": computed,
+        "running": [r.request_id for r in scheduler.running],
+        "free_after_schedule": pool.get_num_free_blocks(),
+    }
+    if check_order:
+        row["free_order"] = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
     runner_output = VllmRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
-    scheduler.update_from_output(out, runner_output)
-    return dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids or ())
+    engine_outputs = scheduler.update_from_output(out, runner_output)
+    row["finished"] = {
+        o.request_id: o.finish_reason.name.lower()
+        for outputs in engine_outputs.values()
+        for o in outputs.outputs
+        if o.finish_reason is not None
+    }
+    row["free_after_update"] = pool.get_num_free_blocks()
+    return row
 
 
-def vlax_step(state):
+def vllm_abort(scheduler, request_id: str) -> str:
+    """Abort one request; returns its vLLM status name before the abort."""
+    from vllm.v1.request import RequestStatus as VllmStatus
+
+    status = scheduler.requests[request_id].status.name
+    scheduler.finish_requests(request_id, VllmStatus.FINISHED_ABORTED)
+    return status
+
+
+# ---------------------------------------------------------------- vlax side
+
+
+def make_vlax_scheduler(case: dict) -> sch.SchedulerState:
+    return sch.make_scheduler(
+        sch.SchedulerConfig(
+            max_num_seqs=case["max_num_seqs"],
+            max_num_batched_tokens=case["max_tokens"],
+            max_model_len=case.get("max_model_len", MAX_MODEL_LEN),
+            block_size=BLOCK_SIZE,
+            num_blocks=case["num_blocks"],
+            enable_prefix_caching=case.get("prefix_caching", True),
+            enable_chunked_prefill=case.get("chunked_prefill", True),
+            long_prefill_token_threshold=case.get("long_prefill", 0),
+            policy=case.get("policy", "fcfs"),
+        )
+    )
+
+
+def vlax_step(state: sch.SchedulerState, check_order: bool) -> tuple[sch.SchedulerState, dict, int]:
+    """One step; also returns how many requests finished at max_model_len."""
     state, out = sch.schedule(state)
-    rows = []
+    rows, computed = [], {}
     for request_id, n in out.num_scheduled_tokens.items():
         request = state.requests[request_id]
+        # The state schedule() returns still holds the counts from before the step.
+        computed[request_id] = request.num_computed_tokens
         done = request.num_computed_tokens + n >= request.num_tokens
         rows.append((token(request.num_tokens, request.num_prompt_tokens),) if done else ())
+    row = {
+        "scheduled": dict(out.num_scheduled_tokens),
+        "preempted": list(out.preempted_req_ids),
+        "computed_before": computed,
+        "running": list(state.running),
+        "free_after_schedule": kvc.num_free_blocks(state.kv),
+    }
+    if check_order:
+        row["free_order"] = list(bp.free_order(state.kv.pool))
     runner_output = ModelRunnerOutput(tuple(out.num_scheduled_tokens), tuple(rows))
-    state, _ = sch.update(state, out, runner_output)
-    return state, dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids)
+    before = state
+    state, outputs = sch.update(state, out, runner_output)
+    row["finished"] = {o.req_id: o.finish_reason.value for o in outputs if o.finished}
+    row["free_after_update"] = kvc.num_free_blocks(state.kv)
+    capped = sum(
+        1
+        for request_id in row["finished"]
+        if before.requests[request_id].num_tokens + 1 >= state.config.max_model_len
+    )
+    return state, row, capped
+
+
+def abort_candidates(state: sch.SchedulerState, kind: str) -> list[str]:
+    if kind == "running":
+        return sorted(state.running)
+    status = RequestStatus.WAITING if kind == "waiting" else RequestStatus.PREEMPTED
+    return sorted(rid for rid in state.waiting if state.requests[rid].status is status)
+
+
+# ---------------------------------------------------------------- comparison
 
 
 def compare(name: str, seed: int, model_dir: str) -> dict:
     case = WORKLOADS[name]
-    requests = make_requests(case["requests"], seed)
+    workload, abort_steps = make_workload(case, seed)
+    rng = random.Random(seed + 1_000_003)
     vllm_scheduler = make_vllm_scheduler(case, model_dir)
-    state = sch.make_scheduler(
-        sch.SchedulerConfig(
-            max_num_seqs=case["max_num_seqs"],
-            max_num_batched_tokens=case["max_tokens"],
-            max_model_len=MAX_MODEL_LEN,
-            block_size=BLOCK_SIZE,
-            num_blocks=case["num_blocks"],
-        )
-    )
-    for request in requests:
-        vllm_scheduler.add_request(vllm_request(request))
-        state = sch.add_request(state, request)
-    steps = preemptions = 0
-    first_mismatch = None
-    while sch.has_unfinished_requests(state) or vllm_scheduler.has_unfinished_requests():
-        ours = vlax_step(state)
-        state, ours = ours[0], ours[1:]
-        theirs = vllm_step(vllm_scheduler)
-        if ours != theirs and first_mismatch is None:
-            first_mismatch = {"step": steps, "vlax": ours, "vllm": theirs}
+    state = make_vlax_scheduler(case)
+    check_order = case["num_blocks"] <= FREE_ORDER_MAX_BLOCKS
+    abort_steps = set(abort_steps)
+    stats = {"preemptions": 0, "prefix_hit_tokens": 0, "finished": 0, "capped": 0}
+    stats.update({f"aborted_{kind}": 0 for kind in ABORT_KINDS})
+    next_arrival = due_aborts = steps = 0
+    mismatch = None
+    while next_arrival < len(workload) or sch.has_unfinished_requests(state):
+        while next_arrival < len(workload) and workload[next_arrival][0] <= steps:
+            request = workload[next_arrival][1]
+            state = sch.add_request(state, request)
+            vllm_scheduler.add_request(vllm_request(request))
+            next_arrival += 1
+        due_aborts += steps in abort_steps
+        while due_aborts and mismatch is None:
+            kind = rng.choice(ABORT_KINDS)
+            candidates = abort_candidates(state, kind)
+            if not candidates:
+                break  # due again next step
+            victim = rng.choice(candidates)
+            state = sch.abort_requests(state, [victim])
+            status = vllm_abort(vllm_scheduler, victim)
+            if status != kind.upper():
+                mismatch = {"step": steps, "aborted": victim, "vlax": kind, "vllm": status}
+            stats[f"aborted_{kind}"] += 1
+            due_aborts -= 1
+        if mismatch is not None:
             break
-        preemptions += len(ours[1])
+        running_before = set(state.running)
+        state, ours, capped = vlax_step(state, check_order)
+        theirs = vllm_step(vllm_scheduler, check_order)
+        if ours != theirs:
+            fields = [key for key in ours if ours[key] != theirs.get(key)]
+            mismatch = {
+                "step": steps,
+                "fields": fields,
+                "vlax": {key: ours[key] for key in fields},
+                "vllm": {key: theirs.get(key) for key in fields},
+            }
+            break
+        stats["preemptions"] += len(ours["preempted"])
+        stats["prefix_hit_tokens"] += sum(
+            computed
+            for request_id, computed in ours["computed_before"].items()
+            if request_id not in running_before
+        )
+        stats["finished"] += len(ours["finished"])
+        stats["capped"] += capped
         steps += 1
         if steps > 100_000:
             raise RuntimeError(f"{name}: no end after {steps} steps")
     return {
         "case": name,
+        "seed": seed,
         "steps": steps,
-        "preemptions": preemptions,
-        "match": first_mismatch is None,
-        "first_mismatch": first_mismatch,
+        "match": mismatch is None,
+        **stats,
+        "first_mismatch": mismatch,
     }
 
 
-def align_free_order() -> None:
-    """Make vLLM free blocks as vlax's pool does: all to the tail, in the order given."""
+# ---------------------------------------------------------------- block pool
+
+
+def compare_block_pool(seed: int, num_blocks: int = 12, num_ops: int = 400) -> dict:
+    """Random take / cache / hit / release on vLLM's BlockPool and vlax's block pool."""
+    import hashlib
+
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    def free_blocks(self, ordered_blocks):
-        freed = []
-        for block in ordered_blocks:
-            if block.is_null:
+    rng = random.Random(seed)
+    caching = seed % 3 != 2  # vLLM without caching puts every freed block at the front
+    theirs = BlockPool(num_blocks, caching, BLOCK_SIZE)
+    ours = bp.make_block_pool(num_blocks, BLOCK_SIZE)
+    # Few distinct hashes, so several blocks hold equal content.
+    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(6)]
+    held: list[int] = []  # one entry per reference
+    counts = dict.fromkeys(BLOCK_POOL_OPS, 0)
+    mismatch = None
+    for position in range(num_ops):
+        op = rng.choice(("take", "take", "cache", "hit", "release", "release"))
+        if op == "take":
+            n = rng.randint(0, min(3, ours.num_free))
+            ours, taken = bp.take_free_blocks(ours, n)
+            their_taken = tuple(b.block_id for b in theirs.get_new_blocks(n))
+            held += taken
+            if their_taken != taken:
+                mismatch = {"op": position, "taken": {"vlax": taken, "vllm": their_taken}}
+        elif op == "cache" and caching:
+            unhashed = sorted({b for b in held if bp.block_hash_of(ours, b) is None})
+            if not unhashed:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                freed.append(block)
-        self.free_block_queue.append_n(freed)
+            block, block_hash = rng.choice(unhashed), rng.choice(hashes)
+            ours = bp.cache_blocks(ours, (block,), (block_hash,))
+            key = make_block_hash_with_group_id(block_hash, 0)
+            theirs._insert_block_hash(key, theirs.blocks[block], num_tokens=None)
+        elif op == "hit" and caching:
+            block = bp.lookup_cached(ours, rng.choice(hashes))
+            if block is None:
+                continue
+            ours = bp.touch(ours, (block,))
+            theirs.touch([theirs.blocks[block]])
+            held.append(block)
+        elif op == "release" and held:
+            rng.shuffle(held)
+            count = rng.randint(1, len(held))
+            batch, held = held[:count], held[count:]
+            ours = bp.release(ours, batch)
+            theirs.free_blocks([theirs.blocks[b] for b in batch])
+        else:
+            continue
+        counts[op] += 1
+        order = tuple(b.block_id for b in theirs.free_block_queue.get_all_free_blocks())
+        lookups = [bp.lookup_cached(ours, h) for h in hashes]
+        their_lookups = [
+            (lambda found: found[0].block_id if found else None)(theirs.get_cached_block(h, [0]))
+            for h in hashes
+        ]
+        if mismatch is None and order != bp.free_order(ours):
+            mismatch = {"op": position, "free_order": {"vlax": bp.free_order(ours), "vllm": order}}
+        if mismatch is None and lookups != their_lookups:
+            mismatch = {"op": position, "lookups": {"vlax": lookups, "vllm": their_lookups}}
+        if mismatch is not None:
+            break
+    return {
+        "case": "block_pool",
+        "seed": seed,
+        "match": mismatch is None,
+        **counts,
+        "first_mismatch": mismatch,
+    }
 
-    BlockPool.free_blocks = free_blocks
+
+# ---------------------------------------------------------------- main
+
+
+SUMMED = (
+    "steps",
+    "preemptions",
+    "prefix_hit_tokens",
+    "finished",
+    "capped",
+    "aborted_running",
+    "aborted_waiting",
+    "aborted_preempted",
+)
+
+
+BLOCK_POOL_OPS = ("take", "cache", "hit", "release")
+
+
+def summarize(rows: list[dict]) -> dict:
+    summary = {"seeds": len(rows), "matched": sum(row["match"] for row in rows)}
+    for key in (*SUMMED, *BLOCK_POOL_OPS):
+        if key in rows[0]:
+            summary[key] = sum(row[key] for row in rows)
+    summary["mismatches"] = [
+        {"seed": row["seed"], **row["first_mismatch"]} for row in rows if not row["match"]
+    ]
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument(
-        "--align-free-order",
-        action="store_true",
-        help="only the run with vLLM's free queue aligned to vlax's block pool",
+        "--seeds", type=int, default=6, help="run seeds 0..N-1 of every case (default 6)"
     )
+    parser.add_argument("--first-seed", type=int, default=0)
+    names = [*WORKLOADS, "block_pool"]
+    parser.add_argument("--cases", nargs="+", choices=names, default=names)
     args = parser.parse_args(argv)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         pathlib.Path(model_dir, "config.json").write_text(json.dumps(TINY_CONFIG))
-        if not args.align_free_order:
-            for name in args.cases:
-                results[f"{name}/vllm_default"] = compare(name, args.seed, model_dir)
-        align_free_order()
         for name in args.cases:
-            results[f"{name}/free_order_aligned"] = compare(name, args.seed, model_dir)
+            start = time.perf_counter()
+            if name == "block_pool":
+                rows = [compare_block_pool(seed) for seed in seeds]
+            else:
+                rows = [compare(name, seed, model_dir) for seed in seeds]
+            results[name] = {**summarize(rows), "wall_s": round(time.perf_counter() - start, 1)}
+            if not args.json:
+                print(_line(name, results[name]), flush=True)
     if args.json:
         print(json.dumps(results))
-    else:
-        for key, row in results.items():
-            verdict = "identical" if row["match"] else f"differ: {row['first_mismatch']}"
-            print(f"{key}: {row['steps']} steps, {row['preemptions']} preemptions, {verdict}")
-    aligned = [row for key, row in results.items() if key.endswith("/free_order_aligned")]
-    return 0 if all(row["match"] for row in aligned) else 1
+    return 0 if all(row["matched"] == row["seeds"] for row in results.values()) else 1
+
+
+def _line(name: str, row: dict) -> str:
+    figures = ", ".join(f"{key} {row[key]}" for key in (*SUMMED, *BLOCK_POOL_OPS) if key in row)
+    verdict = "all identical" if not row["mismatches"] else f"DIFFER {row['mismatches'][0]}"
+    return f"{name}: {row['matched']}/{row['seeds']} seeds match; {figures}; {verdict}"
 
 
 if __name__ == "__main__":

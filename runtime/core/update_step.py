@@ -132,6 +132,12 @@ def update(
         kv_jobs=state.kv_jobs,
     )
     new_state = apply_kv_job_results(new_state, tuple(kv_job_results))
+    if len(finished) > 1:
+        # vLLM frees finished requests in the order it scheduled them: running ones, then those
+        # admitted this step in admission order, which is their order in `running` (the batch
+        # puts resumed requests before new ones). The order decides the free queue's order.
+        position = {request_id: index for index, request_id in enumerate(state.running)}
+        finished.sort(key=lambda request: position.get(request.request_id, len(position)))
     return remove_finished(new_state, finished), tuple(outputs)
 
 

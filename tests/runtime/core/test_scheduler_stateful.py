@@ -238,9 +238,10 @@ def test_priority_workloads_run_to_completion(overrides, arrivals, aborts):
             )
             state = sch.add_request(state, request)
             live[request.request_id], tokens[request.request_id] = request, ()
-        for request_id in [f"r{k}" for at, k in aborts if at == step and f"r{k}" in live]:
-            state = sch.abort_requests(state, [request_id])
-            del live[request_id]
+        for request_id in dict.fromkeys(f"r{k}" for at, k in aborts if at == step):
+            if request_id in live:
+                state = sch.abort_requests(state, [request_id])
+                del live[request_id]
         check_state(state)
         if not arrivals and not sch.has_unfinished_requests(state):
             break

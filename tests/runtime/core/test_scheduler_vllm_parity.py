@@ -120,3 +120,27 @@ def test_whole_sequence_reservation_counts_revived_prefix_blocks(other_prompt, a
     else:
         assert not out.scheduled_new_reqs and state.waiting == ("z",)
     assert out.num_scheduled_tokens["r"] == 1
+
+
+def test_requests_finishing_together_free_their_blocks_in_admission_order():
+    """p (least urgent) is preempted; n, more urgent, arrives and both are admitted in one step,
+    n first, and both finish in it. vLLM frees finished requests in scheduling order (n, then p),
+    so p's unhashed last block ends up ahead of n's in the free queue. vlax used to free in batch
+    order (resumed requests before new ones), which put n's block first."""
+    state = make(num_blocks=7, max_model_len=20, max_num_batched_tokens=32, policy="priority")
+    state = add(
+        state,
+        request("p", 5, 3, priority=1, arrival=0.0),
+        request("h", 7, 20, priority=0, arrival=1.0),
+        request("f", 6, 3, priority=0, arrival=2.0),
+    )
+    for _ in range(3):
+        state, out, _ = step(state)
+    assert out.preempted_req_ids == ("p",) and state.waiting == ("p",)
+    state = add(state, request("n", 3, 1, priority=0, arrival=3.0))
+    state, out, outputs = step(state)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["n"]
+    assert [c.req_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption] == ["p"]
+    assert state.running == ("h",) and {o.req_id for o in outputs if o.finished} == {"n", "p"}
+    # n held block 5; p held 4 (full, hashed) and 3 (partial): freed n, then p.
+    assert bp.free_order(state.kv.pool) == (3, 5, 4)
