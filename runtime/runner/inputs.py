@@ -122,51 +122,68 @@ class BatchBuilder:
         )
         mb_pad = bucket(-(-longest // bs), self.block_buckets)
 
-        token_ids = np.zeros(t_pad, np.int32)
-        positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, -1, np.int32)
-        block_tables = np.zeros((s_pad, mb_pad), np.int32)
-        kv_lens = np.zeros(s_pad, np.int32)
-        cu_q_lens = np.zeros(s_pad + 1, np.int32)
-
+        # Built as Python lists and converted once per array: per-row numpy calls cost more
+        # than the data (a decode row is one token).
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        kv_lens: list[int] = []
+        cu_q_lens = [0]
         sampling, logits_rows, prompt_rows = [], [], {}
         start = 0
-        for i, rid in enumerate(order):
+        for rid in order:
             row = rows[rid]
             n = num_scheduled_tokens[rid]
             c = row.num_computed_tokens
-            pos = np.arange(c, c + n, dtype=np.int32)
-            table = np.asarray(row.block_ids, np.int32)
-            token_ids[start : start + n] = row.token_ids[c : c + n]
-            positions[start : start + n] = pos
-            slot_mapping[start : start + n] = table[pos // bs] * bs + pos % bs
-            used = -(-(c + n) // bs)
-            block_tables[i, :used] = table[:used]
-            kv_lens[i] = c + n
-            cu_q_lens[i + 1] = start + n
+            end = c + n
+            table = row.block_ids
+            if n == 1:
+                tokens.append(row.token_ids[c])
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            else:
+                tokens.extend(row.token_ids[c:end])
+                positions.extend(range(c, end))
+                # One range of slots per block the chunk touches.
+                for b in range(c // bs, (end - 1) // bs + 1):
+                    base = table[b] * bs
+                    slots.extend(range(base + max(c - b * bs, 0), base + min(end - b * bs, bs)))
+            used = -(-end // bs)
+            tables.append(table[:used] + [0] * (mb_pad - used))
+            kv_lens.append(end)
+            cu_q_lens.append(start + n)
             if rid in want_prompt_logprobs and c < row.prompt_len:
                 prompt_rows[rid] = (start, min(n, row.prompt_len - c))
-            if c + n >= len(row.token_ids):
+            if end >= len(row.token_ids):
                 sampling.append(rid)
                 logits_rows.append(start + n - 1)
             start += n
-        cu_q_lens[len(order) + 1 :] = start
+        num_seqs = len(order)
 
+        def padded(values: list[int], size: int, fill: int = 0) -> np.ndarray:
+            out = np.full(size, fill, np.int32)
+            out[: len(values)] = values
+            return out
+
+        block_tables = np.zeros((s_pad, mb_pad), np.int32)
+        if tables:
+            block_tables[:num_seqs] = tables
+        cu = padded(cu_q_lens, s_pad + 1)
+        cu[num_seqs + 1 :] = start
         shape = (t_pad, s_pad, mb_pad)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
             log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d", *shape)
 
-        logits_indices = np.zeros(s_pad, np.int32)
-        logits_indices[: len(logits_rows)] = logits_rows
         arrays = dict(
-            token_ids=token_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
+            token_ids=padded(tokens, t_pad),
+            positions=padded(positions, t_pad),
+            slot_mapping=padded(slots, t_pad, -1),
             block_tables=block_tables,
-            kv_lens=kv_lens,
-            cu_q_lens=cu_q_lens,
-            num_seqs=np.asarray(len(order), np.int32),
-            logits_indices=logits_indices,
+            kv_lens=padded(kv_lens, s_pad),
+            cu_q_lens=cu,
+            num_seqs=np.asarray(num_seqs, np.int32),
+            logits_indices=padded(logits_rows, s_pad),
         )
         return HostBatch(arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens)

@@ -7,6 +7,7 @@ number of sampler compilations stays small.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ def _width(n: int) -> int:
     return max(_MIN_WIDTH, 1 << max(0, n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=4096)
 def _request_salt(request_id: str) -> int:
     # crc32 is stable across processes (unlike hash()); +1 keeps unseeded salts apart from seeded 0.
     return zlib.crc32(request_id.encode()) % 0xFFFFFFFF + 1
@@ -150,10 +152,39 @@ def _pad_rows(lists: list[Sequence[int]], num_rows: int, width: int) -> tuple[np
     return ids, valid
 
 
-def _column(values: list, num_rows: int, fill, dtype) -> np.ndarray:
-    out = np.full(num_rows, fill, dtype)
-    out[: len(values)] = values
-    return out
+def _static_values(params: Any, vocab_size: int, global_seed: int) -> tuple:
+    """One request's per-step-constant sampler values, in _STATIC order (all exact in float64).
+    Greedy rows keep neutral values: temperature 1 (nothing divides by ~0), no top-k/p, min-p."""
+    p = params
+    greedy = p.temperature < GREEDY_TEMPERATURE
+    seed = int(global_seed if p.seed is None else p.seed) % (1 << 64)
+    return (
+        greedy,
+        1.0 if greedy else p.temperature,
+        vocab_size if greedy or p.top_k in (0, -1) else min(p.top_k, vocab_size),
+        1.0 if greedy else p.top_p,
+        0.0 if greedy else p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        seed & 0xFFFFFFFF,
+        seed >> 32,
+    )
+
+
+# Column order of _static_values, and each column's value on padding rows.
+_STATIC = (
+    ("greedy", bool, True),
+    ("temperature", np.float32, 1.0),
+    ("top_k", np.int32, None),  # vocab_size
+    ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0),
+    ("presence_penalty", np.float32, 0.0),
+    ("frequency_penalty", np.float32, 0.0),
+    ("repetition_penalty", np.float32, 1.0),
+    ("seed_lo", np.uint32, 0),
+    ("seed_hi", np.uint32, 0),
+)
 
 
 def make_sampling_metadata(
@@ -168,69 +199,44 @@ def make_sampling_metadata(
 
     Seeded rows draw from a stream keyed by (seed, output position) alone, so their tokens do not
     depend on the batch they share. Unseeded rows use (global_seed, request id, step).
-    Every column is built as one list and converted once: this runs every step for every row.
+    This runs every step for every row: the per-request constants are computed once per distinct
+    SamplingParams (a batch usually shares one) and converted to arrays in one call.
     """
     if num_rows < len(rows):
         raise ValueError(f"num_rows={num_rows} is smaller than the {len(rows)} rows given")
     if not 0 < vocab_size < MAX_VOCAB_SIZE:
         raise ValueError(f"vocab_size={vocab_size}: expected 0 < vocab_size < {MAX_VOCAB_SIZE}")
-    f32, u32 = np.float32, np.uint32
     params = [row.params for row in rows]
-    greedy_rows = [p.temperature < GREEDY_TEMPERATURE for p in params]
-    greedy = _column(greedy_rows, num_rows, True, bool)
-    # Greedy rows keep neutral values: temperature 1 (nothing divides by ~0), no top-k/p, min-p.
-    temperature = _column(
-        [1.0 if g else p.temperature for p, g in zip(params, greedy_rows, strict=True)],
-        num_rows,
-        1.0,
-        f32,
+    by_params: dict[int, tuple] = {}
+    values = []
+    for p in params:
+        v = by_params.get(id(p))
+        if v is None:
+            v = by_params[id(p)] = _static_values(p, vocab_size, global_seed)
+        values.append(v)
+    table = np.array(values, np.float64).reshape(len(rows), len(_STATIC))
+    columns = {}
+    for i, (name, dtype, pad) in enumerate(_STATIC):
+        column = np.full(num_rows, vocab_size if pad is None else pad, dtype)
+        column[: len(rows)] = table[:, i]
+        columns[name] = column
+    greedy, top_k, top_p, min_p = (columns[k] for k in ("greedy", "top_k", "top_p", "min_p"))
+    presence, frequency, repetition = (
+        columns[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")
     )
-    top_k = _column(
-        [
-            vocab_size if g or p.top_k in (0, -1) else min(p.top_k, vocab_size)
-            for p, g in zip(params, greedy_rows, strict=True)
-        ],
-        num_rows,
-        vocab_size,
-        np.int32,
-    )
-    top_p = _column(
-        [1.0 if g else p.top_p for p, g in zip(params, greedy_rows, strict=True)],
-        num_rows,
-        1.0,
-        f32,
-    )
-    min_p = _column(
-        [0.0 if g else p.min_p for p, g in zip(params, greedy_rows, strict=True)],
-        num_rows,
-        0.0,
-        f32,
-    )
-    presence = _column([p.presence_penalty for p in params], num_rows, 0.0, f32)
-    frequency = _column([p.frequency_penalty for p in params], num_rows, 0.0, f32)
-    repetition = _column([p.repetition_penalty for p in params], num_rows, 1.0, f32)
-    fallback = int(global_seed) % (1 << 64)
-    seeds = [fallback if p.seed is None else int(p.seed) % (1 << 64) for p in params]
-    seed_lo = _column([seed & 0xFFFFFFFF for seed in seeds], num_rows, 0, u32)
-    seed_hi = _column([seed >> 32 for seed in seeds], num_rows, 0, u32)
-    salt = _column(
-        [
-            0 if p.seed is not None else _request_salt(row.request_id)
-            for p, row in zip(params, rows, strict=True)
-        ],
-        num_rows,
-        0,
-        u32,
-    )
-    counter = _column(
-        [
-            row.num_output_tokens if p.seed is not None else step % (1 << 32)
-            for p, row in zip(params, rows, strict=True)
-        ],
-        num_rows,
-        0,
-        u32,
-    )
+    # Only unseeded sampling rows read their salt; the counter is the output position of seeded
+    # rows and the engine step for the others.
+    step_counter = step % (1 << 32)
+    salt = np.zeros(num_rows, np.uint32)
+    salt[: len(rows)] = [
+        0 if p.seed is not None or v[0] else _request_salt(row.request_id)
+        for p, v, row in zip(params, values, rows, strict=True)
+    ]
+    counter = np.zeros(num_rows, np.uint32)
+    counter[: len(rows)] = [
+        step_counter if p.seed is None else row.num_output_tokens
+        for p, row in zip(params, rows, strict=True)
+    ]
     # While a row is below min_tokens its stop ids and (unless ignore_eos) every EOS id are held back.
     stops = [
         (p.stop_token_ids + (() if p.ignore_eos else row.eos_token_ids))
@@ -258,29 +264,21 @@ def make_sampling_metadata(
     bias_ids, bias_valid = _pad_rows(
         [[t for t, _ in b] for b in biases], num_rows, _width(max(map(len, biases), default=0))
     )
-    for what, ids, valid in (
-        ("stop_token_ids", stop_ids, stop_valid),
-        ("logit_bias", bias_ids, bias_valid),
-        ("prompt_token_ids", prompt_ids, prompt_valid),
-        ("output_token_ids", output_ids, output_valid),
+    for what, lists, ids, valid in (
+        ("stop_token_ids", stops, stop_ids, stop_valid),
+        ("logit_bias", biases, bias_ids, bias_valid),
+        ("prompt_token_ids", prompts, prompt_ids, prompt_valid),
+        ("output_token_ids", outputs, output_ids, output_valid),
     ):
-        _check_ids(what, rows, ids, valid, vocab_size)
-    bias_values = np.zeros(bias_ids.shape, f32)
+        if any(lists):
+            _check_ids(what, rows, ids, valid, vocab_size)
+    bias_values = np.zeros(bias_ids.shape, np.float32)
     for r, b in enumerate(biases):
         if b:
             bias_values[r, : len(b)] = [v for _, v in b]
     sampling = ~greedy[: len(rows)]
     return SamplingMetadata(
-        greedy=greedy,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        seed_lo=seed_lo,
-        seed_hi=seed_hi,
+        **columns,
         salt=salt,
         counter=counter,
         prompt_ids=prompt_ids,
