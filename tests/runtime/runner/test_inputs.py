@@ -68,3 +68,57 @@ def test_mixed_prefill_chunk_and_decode_layout():
     np.testing.assert_array_equal(a["block_tables"][1, :3], [9, 2, 5])
     assert hb.sampling_req_ids == ("a",)
     assert a["logits_indices"][0] == 0
+
+
+def test_random_batches_match_a_per_token_layout():
+    """The builder's list-based layout against the definition, token by token, on random mixes of
+    decodes and prefill chunks starting and ending anywhere in a block."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        bs = int(rng.choice([1, 2, 4, 16]))
+        bb = BatchBuilder(
+            block_size=bs, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512
+        )
+        rows, scheduled, budget = {}, {}, 512
+        for i in range(int(rng.integers(1, 13))):
+            prompt = int(rng.integers(1, 100))
+            total = prompt + int(rng.integers(0, 50))
+            c = int(rng.integers(0, total))
+            n = min(int(rng.integers(1, total - c + 1)), budget)
+            if n <= 0:
+                break
+            budget -= n
+            used = -(-(c + n) // bs)
+            table = rng.choice(np.arange(1, 5000), used + int(rng.integers(0, 3)), replace=False)
+            rid = f"r{i}"
+            rows[rid] = RequestRow(
+                rid,
+                rng.integers(0, 1000, total).tolist(),
+                table.tolist(),
+                prompt_len=prompt,
+                sampling_params=None,
+                num_computed_tokens=c,
+            )
+            scheduled[rid] = n
+        order = list(rows)
+        hb = bb.build(rows, scheduled, order)
+        a = hb.arrays
+        flat = 0
+        for i, rid in enumerate(order):
+            row, n = rows[rid], scheduled[rid]
+            c = row.num_computed_tokens
+            for k, pos in enumerate(range(c, c + n)):
+                assert a["token_ids"][flat + k] == row.token_ids[pos]
+                assert a["positions"][flat + k] == pos
+                assert a["slot_mapping"][flat + k] == row.block_ids[pos // bs] * bs + pos % bs
+            used = -(-(c + n) // bs)
+            np.testing.assert_array_equal(a["block_tables"][i, :used], row.block_ids[:used])
+            assert not a["block_tables"][i, used:].any()
+            assert a["kv_lens"][i] == c + n and a["cu_q_lens"][i + 1] == flat + n
+            flat += n
+        assert (a["slot_mapping"][flat:] == -1).all() and not a["token_ids"][flat:].any()
+        assert (a["cu_q_lens"][len(order) + 1 :] == flat).all() and not a["kv_lens"][
+            len(order) :
+        ].any()
+        assert not a["block_tables"][len(order) :].any() and int(a["num_seqs"]) == len(order)
+        assert all(a[k].dtype == np.int32 for k in a)
