@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from runtime.core import kv_cache as kv
+from runtime.core.kv import kv_cache as kv
 
 POOL_SIZES = (4096, 32768, 262144)
 

@@ -67,7 +67,7 @@ def _host_jobs(repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from runtime.core.kv_jobs import LoadJob, StoreJob
+    from runtime.core.kv_jobs.jobs import LoadJob, StoreJob
     from runtime.offload.host_store import HostStore
     from runtime.offload.offloader import KVOffloader
 

@@ -1,7 +1,7 @@
 """Host cost of one scheduler step (schedule + update) on synthetic workloads, no model.
 
 Prefix caching and chunked prefill on; every request arrives at step 0 with random prompt
-tokens (seeded); the runner's sampled tokens come from `runtime.core.synthetic_runner`, built
+tokens (seeded); the runner's sampled tokens come from `runtime.core.devtools.synthetic_runner`, built
 outside the timed region. Step times are this thread's CPU time (the machine is shared; wall
 time also counts other processes' turns on the cores). Each case runs `--repeats` times (other
 load only ever adds time); the figures are those of the run with the lowest mean, and
@@ -22,8 +22,8 @@ import statistics
 import time
 
 from runtime.core import scheduler as sch
+from runtime.core.devtools.synthetic_runner import runner_output
 from runtime.core.request import Request, SamplingParams
-from runtime.core.synthetic_runner import runner_output
 
 CASES = {
     "small": {"requests": 100, "num_blocks": 1024, "max_num_seqs": 64, "max_tokens": 512},

@@ -8,10 +8,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from benchmarks.soak_workload import SoakRequest
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 from runtime.core.request import FinishReason
-from runtime.core.scheduler_invariants import check_state
+from runtime.core.scheduling.scheduler_invariants import check_state
 
 
 @dataclass

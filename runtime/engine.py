@@ -22,12 +22,13 @@ from dataclasses import dataclass, replace
 
 from model.config import ModelConfig
 from runtime.config import ConfigError, EngineConfig
-from runtime.core import kv_cache, kv_jobs
 from runtime.core import scheduler as sched
+from runtime.core.kv import kv_cache
+from runtime.core.kv_jobs import jobs as kv_jobs
+from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs, has_pending_kv_jobs
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import FinishReason, Request, SamplingParams
-from runtime.core.scheduler_config import SchedulerConfig
-from runtime.core.scheduler_kv_jobs import enable_kv_jobs, has_pending_kv_jobs
+from runtime.core.scheduling.scheduler_config import SchedulerConfig
 from runtime.input_processor import InputProcessor, ProcessedRequest
 from runtime.output_processor import OutputProcessor
 from runtime.request_output import RequestOutput
@@ -79,17 +80,17 @@ class Engine:
                 f"(keep the last N), got {record_steps!r}"
             )
         self.config = config
-        mc = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
-        if mc.runner_type != "generate":
+        model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        if model_config.runner_type != "generate":
             raise ConfigError(
-                f"{config.model}: {mc.architecture} is a {mc.runner_type} model; "
+                f"{config.model}: {model_config.architecture} is a {model_config.runner_type} model; "
                 "generation needs a generative (causal LM) checkpoint"
             )
-        max_model_len = config.max_model_len or mc.max_model_len
-        if max_model_len > mc.max_model_len:
+        max_model_len = config.max_model_len or model_config.max_model_len
+        if max_model_len > model_config.max_model_len:
             raise ConfigError(
                 f"max_model_len={max_model_len} exceeds the checkpoint's "
-                f"max_position_embeddings={mc.max_model_len}"
+                f"max_position_embeddings={model_config.max_model_len}"
             )
         max_batched = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -101,13 +102,13 @@ class Engine:
                 f"without chunked prefill max_num_batched_tokens={max_batched} must be at least "
                 f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
             )
-        self.model_config = mc
+        self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
-        self.input_processor = InputProcessor(mc, self.tokenizer, max_model_len)
+        self.input_processor = InputProcessor(model_config, self.tokenizer, max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.runner = ModelRunner(
-            mc,
+            model_config,
             block_size=config.block_size,
             max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs,
@@ -117,8 +118,8 @@ class Engine:
             attention_backend=config.attention_backend,
             seed=config.seed,
         )
-        self.state = sched.make_scheduler(
-            SchedulerConfig(
+        try:
+            scheduler_config = SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max_batched,
                 max_model_len=max_model_len,
@@ -129,7 +130,10 @@ class Engine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy,
             )
-        )
+        except sched.SchedulerConfigError as err:
+            # The pure core cannot raise the project's ConfigError; callers catch that one.
+            raise ConfigError(str(err)) from err
+        self.state = sched.make_scheduler(scheduler_config)
         self.offloader = self._make_offloader(config)
         if self.offloader is not None:
             self.state = enable_kv_jobs(self.state)
@@ -322,12 +326,12 @@ class Engine:
         if self.offloader is not None:
             self._admit_looked_up()
         before = self.state
-        scheduled, so = sched.schedule(before)
+        scheduled, scheduler_output = sched.schedule(before)
         try:
-            runner_out = self.runner.execute(so)
+            runner_out = self.runner.execute(scheduler_output)
         except RequestFailed as err:
             # The runner is as before the call, so `before` is still the truth.
-            return self._fail(before, so, err)
+            return self._fail(before, scheduler_output, err)
         except RunnerLost as err:
             raise self._die(err) from err
         # Any other exception leaves the runner as before the call too: `before` stays current,
@@ -336,25 +340,32 @@ class Engine:
             results = ()
             if self.offloader is not None:
                 # After execute: the blocks a store job gathers hold this step's KV.
-                self.offloader.start(self.runner.kv_caches, so.kv_jobs)
-                idle = so.total_num_scheduled_tokens == 0
+                self.offloader.start(self.runner.kv_caches, scheduler_output.kv_jobs)
+                idle = scheduler_output.total_num_scheduled_tokens == 0
                 self.runner.kv_caches, results = self.offloader.finish(
                     self.runner.kv_caches, wait_s=0.01 if idle else 0.0
                 )
-            updated, outputs = sched.update(scheduled, so, runner_out, results)
+            updated, outputs = sched.update(scheduled, scheduler_output, runner_out, results)
             state, finished = self.output_processor.process(scheduled, updated, outputs)
         except Exception as err:
             # The runner went on with this step and the core cannot: the two no longer agree.
             raise self._die(err) from err
         self.state = state
-        self._count(before, so)
+        self._count(before, scheduler_output)
         return finished
 
-    def _fail(self, before, so: SchedulerOutput, err: RequestFailed) -> list[RequestOutput]:
+    def _fail(
+        self, before, scheduler_output: SchedulerOutput, err: RequestFailed
+    ) -> list[RequestOutput]:
         failed = [r for r in dict.fromkeys(err.request_ids) if sched.has_request(before, r)]
         if not failed:
             raise err
-        log.error("step %d failed for %s; they finish with an error: %s", so.step, failed, err)
+        log.error(
+            "step %d failed for %s; they finish with an error: %s",
+            scheduler_output.step,
+            failed,
+            err,
+        )
         self.state, outputs = self.output_processor.finish(
             before, failed, FinishReason.ERROR, error=str(err)
         )
@@ -368,9 +379,9 @@ class Engine:
             "of step; build a new one"
         )
 
-    def _count(self, before, so: SchedulerOutput) -> None:
+    def _count(self, before, scheduler_output: SchedulerOutput) -> None:
         prefill = decode = 0
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = before.requests.get(rid)
             if req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
                 decode += n
@@ -380,19 +391,19 @@ class Engine:
         totals.steps += 1
         totals.prefill_tokens += prefill
         totals.decode_tokens += decode
-        totals.preemptions += len(so.preempted_req_ids)
+        totals.preemptions += len(scheduler_output.preempted_req_ids)
         keep = self.record_steps
         if keep == 0:
             return
-        self.history.append(so)
+        self.history.append(scheduler_output)
         self.stats.append(
             StepStats(
-                so.step,
+                scheduler_output.step,
                 prefill,
                 decode,
                 len(self.state.running),
                 len(self.state.waiting),
-                len(so.preempted_req_ids),
+                len(scheduler_output.preempted_req_ids),
                 self.runner.num_kv_blocks - 1 - kv_cache.num_free_blocks(self.state.kv),
             )
         )

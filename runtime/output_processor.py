@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from runtime.core import scheduler as sched
 from runtime.core.outputs import EngineCoreOutput, LogprobsEntry
 from runtime.core.request import FinishReason
-from runtime.core.scheduler_state import SchedulerState
+from runtime.core.scheduling.scheduler_state import SchedulerState
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.input_processor import ProcessedRequest
 from runtime.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput

@@ -84,7 +84,7 @@ class SchedulerOutput:
     preempted_req_ids: tuple[str, ...]
     # Finished or aborted since the previous step; the runner drops their state first.
     finished_req_ids: tuple[str, ...]
-    # KV store/load jobs planned this step (runtime/core/kv_jobs.py), for the offload worker.
+    # KV store/load jobs planned this step (runtime/core/kv_jobs/jobs.py), for the offload worker.
     kv_jobs: tuple = ()
 
     @property

@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 
 __all__ = [
     "FinishReason",

@@ -10,20 +10,20 @@ compared and replayed. Misuse raises `SchedulerError` naming the bad value.
 """
 
 from collections.abc import Iterable
-from dataclasses import replace
 
-from runtime.core import kv_cache as kvc
+from runtime.core.kv import kv_cache as kvc
 from runtime.core.request import FinishReason, Request, RequestStatus, evolve
-from runtime.core.schedule_step import schedule
-from runtime.core.scheduler_config import SchedulerConfig, SchedulerConfigError
-from runtime.core.scheduler_state import (
+from runtime.core.scheduling.apply_output import remove_finished, update
+from runtime.core.scheduling.plan_step import schedule
+from runtime.core.scheduling.scheduler_config import SchedulerConfig, SchedulerConfigError
+from runtime.core.scheduling.scheduler_state import (
     SchedulerError,
     SchedulerState,
+    evolve_state,
     hash_extras,
     make_scheduler,
     with_waiting,
 )
-from runtime.core.update_step import remove_finished, update
 
 __all__ = [
     "SchedulerConfig",
@@ -91,7 +91,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         )
         request = evolve(request, block_hashes=hashes)
     requests = state.requests.set(request_id, request)
-    return replace(
+    return evolve_state(
         state,
         requests=requests,
         waiting=with_waiting(state.waiting, requests, request_id, config.policy, front=False),

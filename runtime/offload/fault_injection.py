@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 from runtime.offload.store import KVStore, PutResult, StoreError, check_store
 
 __all__ = ["FaultyStore"]

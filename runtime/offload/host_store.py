@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 from runtime.offload.shm_segments import new_segment_path, reclaim_stale_segments
 from runtime.offload.store import KVStore, PutResult, StoreError, check_keys, check_values
 

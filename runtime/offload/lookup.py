@@ -13,7 +13,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 from runtime.offload.store import KVStore
 
 __all__ = ["LookupDone", "PrefixLookups", "stored_prefix"]

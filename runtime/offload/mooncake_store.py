@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 from runtime.offload.store import KVStore, PutResult, StoreError, check_keys, check_values
 
 __all__ = ["MooncakeStore", "TRANSIENT_ERRORS"]

@@ -11,8 +11,8 @@ for them and writes the store. Loaded rows are written into the KV cache on the 
 
 from collections.abc import Hashable, Sequence
 
-from runtime.core.block_pool import BlockHash
-from runtime.core.kv_jobs import KVJob, KVJobResult, StoreJob
+from runtime.core.kv.block_pool import BlockHash
+from runtime.core.kv_jobs.jobs import KVJob, KVJobResult, StoreJob
 from runtime.offload.device_copy import block_nbytes, gather_blocks, scatter_blocks
 from runtime.offload.lookup import LookupDone, PrefixLookups, stored_prefix
 from runtime.offload.store import KVStore

@@ -6,7 +6,7 @@ of the stores below, or any object that implements `KVStore`: the embedded `Host
 or a wrapper of either (runtime/offload/fault_injection.py fails a seeded fraction of calls).
 `check_store` is the gate: it names every member an object lacks.
 
-Keys are block hashes (`runtime.core.block_pool.BlockHash`, 32 bytes): each chains its parent's
+Keys are block hashes (`runtime.core.kv.block_pool.BlockHash`, 32 bytes): each chains its parent's
 hash, so a key names a block's content together with its whole prefix, and two engines that
 compute the same prefix agree on the keys. Keys do not name the model: a store shared by engines of
 different models (or KV dtypes, or block sizes) must keep them apart itself (MooncakeStore's
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.core.block_pool import HASH_NBYTES, BlockHash
+from runtime.core.kv.block_pool import HASH_NBYTES, BlockHash
 
 __all__ = [
     "KVStore",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from runtime.core.kv_jobs import KVJob, KVJobResult, LoadJob, StoreJob
+from runtime.core.kv_jobs.jobs import KVJob, KVJobResult, LoadJob, StoreJob
 from runtime.offload.device_copy import rows_to_host
 from runtime.offload.store import KVStore
 

@@ -8,10 +8,10 @@ wrapping a method of the real component (no stand-in model or runner).
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.core import kv_cache
 from runtime.core import scheduler as sched
+from runtime.core.kv import kv_cache
 from runtime.core.request import SamplingParams
-from runtime.core.scheduler_invariants import check_state
+from runtime.core.scheduling.scheduler_invariants import check_state
 from runtime.engine import Engine, EngineDeadError
 from runtime.runner.errors import RequestFailed
 from vlax.default_model import default_model_path

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from model.config import ModelConfig
-from runtime.core import kv_cache
 from runtime.core import scheduler as sched
+from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.kv import kv_cache
 from runtime.core.request import FinishReason, SamplingParams
-from runtime.core.scheduler_invariants import check_state
-from runtime.core.synthetic_runner import runner_output
+from runtime.core.scheduling.scheduler_invariants import check_state
 from runtime.input_processor import InputProcessor
 from runtime.output_processor import OutputProcessor
 from runtime.tokenizer import Tokenizer

@@ -1,9 +1,9 @@
 """Helpers that drive the scheduler with synthetic runner outputs and check every step."""
 
 from runtime.core import scheduler as sch
+from runtime.core.devtools.synthetic_runner import counting_token, runner_output
 from runtime.core.request import MultiModalInput, Request, SamplingParams
-from runtime.core.scheduler_invariants import check_output, check_state
-from runtime.core.synthetic_runner import counting_token, runner_output
+from runtime.core.scheduling.scheduler_invariants import check_output, check_state
 
 DEFAULTS = {
     "max_num_seqs": 4,

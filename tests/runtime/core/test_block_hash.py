@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from runtime.core.block_hash import HashExtras, extend_block_hashes
+from runtime.core.kv.block_hash import HashExtras, extend_block_hashes
 
 TOKENS = list(range(100, 112))  # three blocks of 4
 
@@ -28,7 +28,7 @@ def test_hash_chains_the_parent():
 
 def test_hash_is_stable_across_processes_with_different_hash_seeds():
     code = (
-        "from runtime.core.block_hash import HashExtras, extend_block_hashes as e;"
+        "from runtime.core.kv.block_hash import HashExtras, extend_block_hashes as e;"
         "x = HashExtras(mm_spans=(('img', 2, 3),), lora_name='l', cache_salt='s');"
         f"print(e((), {TOKENS}, 4, x)[-1].hex())"
     )

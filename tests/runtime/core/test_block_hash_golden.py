@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from runtime.core.block_hash import HashExtras, extend_block_hashes
+from runtime.core.kv.block_hash import HashExtras, extend_block_hashes
 
 # name: (token ids, block size, HashExtras keyword arguments)
 CHAINS = {
@@ -66,7 +66,7 @@ GOLDEN = {
 
 _HEX_CHAINS = """
 import json, sys
-from runtime.core.block_hash import HashExtras, extend_block_hashes
+from runtime.core.kv.block_hash import HashExtras, extend_block_hashes
 out = {}
 for name, (tokens, block_size, extras) in json.load(sys.stdin).items():
     if "mm_spans" in extras:

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from runtime.core import block_pool as bp
+from runtime.core.kv import block_pool as bp
 
 
 def h(text: str) -> bytes:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.core import encoder_cache as ec
+from runtime.core.encoder import encoder_cache as ec
 
 
 def _alloc(cache, content_hash, owner, size):

@@ -4,9 +4,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kv
-from runtime.core.kv_invariants import InvariantError
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kv
+from runtime.core.kv.kv_invariants import InvariantError
 
 BS = 4
 

@@ -14,8 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kv
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kv
 
 NUM_BLOCKS, BS, MAX_LEN = 24, 4, 40
 PREFIXES = (tuple(range(100, 120)), tuple(range(200, 220)))

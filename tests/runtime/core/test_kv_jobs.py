@@ -3,9 +3,9 @@ request-id reuse with a late completion) and the lifecycle's error cases."""
 
 import pytest
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 
 BS = 4
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 
 BLOCK_SIZE = 2
 NUM_BLOCKS = 9

@@ -2,8 +2,8 @@
 one, a key still being written is never offered for loading, and a key is stored once per job
 even when two blocks hold it. (Each scenario let a one-line bug through the older tests.)"""
 
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 
 BS = 4
 

@@ -6,8 +6,8 @@ whose spans sit inside blocks."""
 
 from scheduler_driver import add, make, request, run, schedule, step
 
-from runtime.core import kv_cache as kvc
-from runtime.core.block_hash import HashExtras, extend_block_hashes
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv.block_hash import HashExtras, extend_block_hashes
 from runtime.core.request import MultiModalInput
 
 BLOCK = 4

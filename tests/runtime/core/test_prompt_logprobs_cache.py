@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 from scheduler_driver import add, make, request, run, schedule
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
+from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs
 from runtime.core.request import Request, SamplingParams
-from runtime.core.scheduler_kv_jobs import enable_kv_jobs
 
 BLOCK = 4
 SHARED = tuple(range(3, 35))  # 32 tokens: 8 full blocks

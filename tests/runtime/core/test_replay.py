@@ -3,13 +3,13 @@
 import pytest
 from scheduler_driver import request
 
-from runtime.core import block_pool as bp
-from runtime.core.replay import record, replay
+from runtime.core.devtools.replay import record, replay
+from runtime.core.devtools.state_diff import state_diff
+from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.kv import block_pool as bp
 from runtime.core.request import MultiModalInput
-from runtime.core.scheduler_config import SchedulerConfig
-from runtime.core.scheduler_invariants import check_state
-from runtime.core.state_diff import state_diff
-from runtime.core.synthetic_runner import runner_output
+from runtime.core.scheduling.scheduler_config import SchedulerConfig
+from runtime.core.scheduling.scheduler_invariants import check_state
 
 CONFIG = SchedulerConfig(
     max_num_seqs=3, max_num_batched_tokens=24, max_model_len=64, block_size=4, num_blocks=17

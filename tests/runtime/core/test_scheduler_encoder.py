@@ -2,7 +2,7 @@
 
 from scheduler_driver import add, make, request, run, schedule, step
 
-from runtime.core import encoder_cache as ec
+from runtime.core.encoder import encoder_cache as ec
 from runtime.core.request import MultiModalInput
 
 

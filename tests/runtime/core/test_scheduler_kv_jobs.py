@@ -14,14 +14,14 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
 from runtime.core import scheduler as sch
-from runtime.core.kv_jobs import KVJobResult, LoadJob, StoreJob
+from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
+from runtime.core.kv_jobs.jobs import KVJobResult, LoadJob, StoreJob
+from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs, has_pending_kv_jobs
 from runtime.core.request import Request, SamplingParams
-from runtime.core.scheduler_invariants import check_output, check_state
-from runtime.core.scheduler_kv_jobs import enable_kv_jobs, has_pending_kv_jobs
-from runtime.core.synthetic_runner import runner_output
+from runtime.core.scheduling.scheduler_invariants import check_output, check_state
 
 BS = 2
 CONFIG = sch.SchedulerConfig(

@@ -2,11 +2,11 @@
 
 from scheduler_driver import add, make, request, run, schedule, step
 
-from runtime.core import kv_cache as kvc
 from runtime.core import scheduler as sch
+from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.kv import kv_cache as kvc
 from runtime.core.outputs import ModelRunnerOutput
 from runtime.core.request import FinishReason, MultiModalInput, RequestStatus
-from runtime.core.synthetic_runner import runner_output
 
 
 def test_same_step_evict_and_reallocate_of_an_encoder_output():

@@ -3,13 +3,13 @@
 import pytest
 from scheduler_driver import add, make, request, run, schedule, step, tokens_per_step
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
 from runtime.core import scheduler as sch
+from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
 from runtime.core.outputs import ModelRunnerOutput
 from runtime.core.request import FinishReason, MultiModalInput, RequestStatus
-from runtime.core.scheduler_config import SchedulerConfig, SchedulerConfigError
-from runtime.core.synthetic_runner import runner_output
+from runtime.core.scheduling.scheduler_config import SchedulerConfig, SchedulerConfigError
 
 
 def test_chunked_prefill_then_decode_by_one_rule():

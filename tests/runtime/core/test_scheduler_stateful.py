@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.core import scheduler as sch
+from runtime.core.devtools.synthetic_runner import runner_output
 from runtime.core.request import FinishReason, MultiModalInput, Request, SamplingParams
-from runtime.core.scheduler_invariants import check_output, check_state
-from runtime.core.synthetic_runner import runner_output
+from runtime.core.scheduling.scheduler_invariants import check_output, check_state
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 40

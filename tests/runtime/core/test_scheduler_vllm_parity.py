@@ -4,8 +4,8 @@ test reached. benchmarks/vllm_scheduler_diff.py checks the same against vLLM its
 import pytest
 from scheduler_driver import add, make, request, schedule, step
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
 from runtime.core.request import RequestStatus
 
 # 5 usable blocks of 4 tokens.

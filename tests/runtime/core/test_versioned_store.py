@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.core import versioned_store as vs
+from runtime.core.kv import versioned_store as vs
 
 
 def contents(version: vs.Version) -> list[dict]:

@@ -161,8 +161,8 @@ def check_jobs_through_the_worker() -> None:
     import jax
     import jax.numpy as jnp
 
-    from runtime.core import kv_cache as kvc
-    from runtime.core import kv_jobs as kj
+    from runtime.core.kv import kv_cache as kvc
+    from runtime.core.kv_jobs import jobs as kj
     from runtime.offload.device_copy import block_nbytes
     from runtime.offload.mooncake_store import MooncakeStore
     from runtime.offload.offloader import KVOffloader

@@ -224,7 +224,7 @@ def test_an_object_that_is_not_a_store_is_refused_by_name(checkpoint, nbytes):
 
 def store_keys(llm, prompts):
     """The block hashes of the prompts' first full blocks, as the engine keys them."""
-    from runtime.core.kv_cache import extend_block_hashes
+    from runtime.core.kv.kv_cache import extend_block_hashes
 
     block_size = llm.engine.config.block_size
     return [extend_block_hashes((), p["prompt_token_ids"], block_size)[0] for p in prompts]

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 from runtime.offload.device_copy import block_nbytes, gather_blocks, rows_to_host, scatter_blocks
 from runtime.offload.host_store import HostStore
 from runtime.offload.offloader import KVOffloader

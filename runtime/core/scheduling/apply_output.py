@@ -7,17 +7,18 @@ requests release their blocks and encoder references and leave the state.
 
 from collections.abc import Sequence
 
-from runtime.core import kv_cache as kvc
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs.scheduler_hooks import apply_kv_job_results, detach_finished
 from runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from runtime.core.request import Request, evolve
-from runtime.core.scheduler_kv_jobs import apply_kv_job_results, detach_finished
-from runtime.core.scheduler_state import (
+from runtime.core.scheduling.scheduler_state import (
     SchedulerError,
     SchedulerState,
+    evolve_state,
     hash_extras,
     release_request_inputs,
 )
-from runtime.core.stop import check_stop
+from runtime.core.scheduling.stop import check_stop
 
 __all__ = ["remove_finished", "update"]
 
@@ -119,18 +120,7 @@ def update(
             for request_id, request in changed.items():
                 mutable[request_id] = request
             requests = mutable.finish()
-    new_state = SchedulerState(
-        config=config,
-        kv=state.kv,
-        encoder=encoder,
-        requests=requests,
-        waiting=state.waiting,
-        running=state.running,
-        step=state.step,
-        finished_since_last=state.finished_since_last,
-        awaiting_update=None,
-        kv_jobs=state.kv_jobs,
-    )
+    new_state = evolve_state(state, encoder=encoder, requests=requests, awaiting_update=None)
     new_state = apply_kv_job_results(new_state, tuple(kv_job_results))
     if len(finished) > 1:
         # vLLM frees finished requests in the order it scheduled them: running ones, then those
@@ -199,17 +189,15 @@ def remove_finished(state: SchedulerState, finished: list[Request]) -> Scheduler
             del mutable[request_id]
         requests = mutable.finish()
     reported = set(state.finished_since_last)
-    return SchedulerState(
-        config=state.config,
+    return evolve_state(
+        state,
         kv=kv,
         encoder=encoder,
         requests=requests,
         waiting=tuple(r for r in state.waiting if r not in ids),
         running=tuple(r for r in state.running if r not in ids),
-        step=state.step,
         finished_since_last=state.finished_since_last
         + tuple(r.request_id for r in finished if r.request_id not in reported),
-        awaiting_update=state.awaiting_update,
         kv_jobs=detach_finished(state, ids),
     )
 

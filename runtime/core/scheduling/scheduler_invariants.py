@@ -3,12 +3,12 @@
 O(state): never called by the engine loop.
 """
 
-from runtime.core import encoder_cache as ec
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
+from runtime.core.encoder import encoder_cache as ec
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import RequestStatus
-from runtime.core.scheduler_state import SchedulerState, hash_extras, priority_key
+from runtime.core.scheduling.scheduler_state import SchedulerState, hash_extras, priority_key
 
 __all__ = ["check_output", "check_state"]
 
@@ -21,7 +21,8 @@ def _require(ok: bool, message: str) -> None:
 def check_state(state: SchedulerState) -> None:
     """Raise AssertionError naming the first broken invariant of `state`."""
     config = state.config
-    # Requests that left the waiting queue for a KV load sit in `kv_jobs.holding` (scheduler_kv_jobs).
+    # Requests that left the waiting queue for a KV load sit in `kv_jobs.holding`
+    # (kv_jobs/scheduler_hooks.py).
     jobs = state.kv_jobs
     holding = jobs.holding if jobs is not None else ()
     kvc.check_invariants(state.kv, extra_holders=kj.pins(jobs) if jobs is not None else ())

@@ -20,13 +20,13 @@ A request that skips reading the prefix cache (prompt logprobs) loads nothing, b
 
 from dataclasses import replace
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
-from runtime.core import kv_jobs as kj
-from runtime.core.kv_jobs import KVJobResult, LoadJob
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs import jobs as kj
+from runtime.core.kv_jobs.jobs import KVJobResult, LoadJob
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import Request, RequestStatus, evolve
-from runtime.core.scheduler_state import SchedulerError, SchedulerState
+from runtime.core.scheduling.scheduler_state import SchedulerError, SchedulerState, evolve_state
 
 __all__ = [
     "apply_kv_job_results",
@@ -50,7 +50,7 @@ def enable_kv_jobs(state: SchedulerState) -> SchedulerState:
             "enable_kv_jobs: a KV store is keyed by prefix-cache block hashes; "
             "it needs enable_prefix_caching=True"
         )
-    return replace(state, kv_jobs=kj.make_kv_jobs())
+    return evolve_state(state, kv_jobs=kj.make_kv_jobs())
 
 
 def has_pending_kv_jobs(state: SchedulerState) -> bool:
@@ -164,7 +164,7 @@ def plan_stores(
             stores.append(job)
     jobs = replace(jobs, store_cursor=cursor.finish())
     planned = loads + tuple(stores)
-    state = replace(state, kv=kv, kv_jobs=jobs)
+    state = evolve_state(state, kv=kv, kv_jobs=jobs)
     return state, (replace(output, kv_jobs=planned) if planned else output)
 
 
@@ -193,4 +193,4 @@ def apply_kv_job_results(state: SchedulerState, results: tuple[KVJobResult, ...]
         jobs, kv, job = kj.end_job(jobs, kv, result)
         if owned:
             arrived = arrived.set(job.req_id, (job, result.ok))
-    return replace(state, kv=kv, kv_jobs=replace(jobs, arrived=arrived))
+    return evolve_state(state, kv=kv, kv_jobs=replace(jobs, arrived=arrived))

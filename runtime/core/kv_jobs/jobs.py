@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 
 from immutables import Map
 
-from runtime.core import block_pool as bp
-from runtime.core import kv_cache as kvc
-from runtime.core.block_pool import BlockHash
-from runtime.core.kv_cache import KVCache
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv.block_pool import BlockHash
+from runtime.core.kv.kv_cache import KVCache
 
 __all__ = [
     "KVJobError",

@@ -6,20 +6,21 @@ nothing), so a request id can be reused by a later request.
 """
 
 from bisect import insort
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from immutables import Map
 
-from runtime.core import encoder_cache as ec
-from runtime.core import kv_cache as kvc
-from runtime.core.encoder_cache import EncoderCache, make_encoder_cache
-from runtime.core.kv_jobs import KVJobs
+from runtime.core.encoder import encoder_cache as ec
+from runtime.core.encoder.encoder_cache import EncoderCache, make_encoder_cache
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs.jobs import KVJobs
 from runtime.core.request import Request
-from runtime.core.scheduler_config import SchedulerConfig
+from runtime.core.scheduling.scheduler_config import SchedulerConfig
 
 __all__ = [
     "SchedulerError",
     "SchedulerState",
+    "evolve_state",
     "hash_extras",
     "make_scheduler",
     "priority_key",
@@ -49,7 +50,7 @@ class SchedulerState:
     finished_since_last: tuple[str, ...]
     # The step of the schedule() output whose update() has not been applied, if any.
     awaiting_update: int | None
-    # KV store/load jobs (runtime/core/scheduler_kv_jobs.py); None when no KV store is used.
+    # KV store/load jobs (runtime/core/kv_jobs/scheduler_hooks.py); None when no KV store is used.
     kv_jobs: KVJobs | None = None
 
     def __repr__(self) -> str:
@@ -79,6 +80,12 @@ def make_scheduler(config: SchedulerConfig) -> SchedulerState:
         finished_since_last=(),
         awaiting_update=None,
     )
+
+
+def evolve_state(state: SchedulerState, **changes) -> SchedulerState:
+    """`state` with the named fields changed and every other field carried over: every transition
+    rebuilds the state through here, so a new field is one edit (the class and `make_scheduler`)."""
+    return replace(state, **changes)
 
 
 def priority_key(request: Request) -> tuple:

@@ -7,11 +7,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from runtime.core import block_pool as bp
-from runtime.core import versioned_store as vs
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import versioned_store as vs
 
 if TYPE_CHECKING:
-    from runtime.core.kv_cache import KVCache
+    from runtime.core.kv.kv_cache import KVCache
 
 
 class InvariantError(AssertionError):

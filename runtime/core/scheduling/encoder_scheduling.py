@@ -3,7 +3,7 @@ that plan, and which request computes each newly allocated encoder output."""
 
 from collections.abc import Mapping
 
-from runtime.core import encoder_cache as ec
+from runtime.core.encoder import encoder_cache as ec
 from runtime.core.outputs import frozen_mapping
 from runtime.core.request import Request
 

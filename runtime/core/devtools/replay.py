@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from runtime.core import scheduler as sch
 from runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from runtime.core.request import Request
-from runtime.core.scheduler_config import SchedulerConfig
+from runtime.core.scheduling.scheduler_config import SchedulerConfig
 
 __all__ = ["Run", "StepInputs", "Trace", "record", "replay"]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from runtime.core.request import Request
-from runtime.core.scheduler_state import SchedulerState
+from runtime.core.scheduling.scheduler_state import SchedulerState
 
 __all__ = ["counting_token", "runner_output"]
 

@@ -12,26 +12,27 @@ the scheduled tokens once the runner has computed them.
 
 from dataclasses import replace
 
-from runtime.core import block_pool as bp
-from runtime.core import encoder_cache as ec
-from runtime.core import kv_cache as kvc
-from runtime.core.encoder_scheduling import (
-    assign_encoder_work,
-    plan_encoder_inputs,
-    take_encoder_inputs,
-)
-from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
-from runtime.core.request import Request, RequestStatus, evolve
-from runtime.core.scheduler_kv_jobs import (
+from runtime.core.encoder import encoder_cache as ec
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv import kv_cache as kvc
+from runtime.core.kv_jobs.scheduler_hooks import (
     blocks_to_finish,
     plan_stores,
     start_load,
     stored_beyond,
     take_up_load,
 )
-from runtime.core.scheduler_state import (
+from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
+from runtime.core.request import Request, RequestStatus, evolve
+from runtime.core.scheduling.encoder_scheduling import (
+    assign_encoder_work,
+    plan_encoder_inputs,
+    take_encoder_inputs,
+)
+from runtime.core.scheduling.scheduler_state import (
     SchedulerError,
     SchedulerState,
+    evolve_state,
     priority_key,
     release_request_inputs,
     with_waiting,
@@ -456,8 +457,8 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
             for request_id, request in step.changed.items():
                 mutable[request_id] = request
             requests = mutable.finish()
-    new_state = SchedulerState(
-        config=state.config,
+    new_state = evolve_state(
+        state,
         kv=kv,
         encoder=encoder,
         requests=requests,

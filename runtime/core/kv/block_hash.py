@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.core.block_pool import BlockHash
+from runtime.core.kv.block_pool import BlockHash
 
 _MAGIC = b"vlax.block.v1\x00"
 _U32 = struct.Struct("<I")

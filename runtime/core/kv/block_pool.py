@@ -21,7 +21,7 @@ Once the fresh range is used up, part 1 is just the head of the list and `split`
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from runtime.core import versioned_store as vs
+from runtime.core.kv import versioned_store as vs
 
 BlockHash = bytes
 NULL_BLOCK = 0

@@ -10,10 +10,10 @@ from typing import Protocol
 
 from immutables import Map
 
-from runtime.core import block_pool as bp
-from runtime.core.block_hash import HashExtras, extend_block_hashes
-from runtime.core.block_pool import BlockHash, BlockPool
-from runtime.core.kv_invariants import check_invariants
+from runtime.core.kv import block_pool as bp
+from runtime.core.kv.block_hash import HashExtras, extend_block_hashes
+from runtime.core.kv.block_pool import BlockHash, BlockPool
+from runtime.core.kv.kv_invariants import check_invariants
 
 __all__ = [
     "Allocated",

@@ -1,7 +1,7 @@
 """What changed between two scheduler states, as plain data (for notebooks and test failures)."""
 
-from runtime.core import block_pool as bp
-from runtime.core.scheduler_state import SchedulerState
+from runtime.core.kv import block_pool as bp
+from runtime.core.scheduling.scheduler_state import SchedulerState
 
 __all__ = ["state_diff"]
 

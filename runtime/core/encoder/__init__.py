@@ -1,0 +1,1 @@
+"""The encoder cache: which multimodal encoder outputs are held, and by which requests."""
