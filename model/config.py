@@ -35,7 +35,11 @@ _GENERATION_DEFAULT_KEYS = (
 
 
 class ConfigError(ValueError):
-    """A checkpoint configuration vlax cannot serve, or one that contradicts itself."""
+    """A setting vlax cannot serve, or one that contradicts itself: a checkpoint's configuration,
+    an engine knob (runtime/config.py) or an `LLM` argument. The project's one ConfigError, so a
+    caller catches one class: it lives here, in the lowest layer that raises it, and runtime and
+    vlax import it. The pure core imports nothing from the project and raises its own
+    SchedulerConfigError, which the engine turns into this one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.config import DTYPES
+from model.config import DTYPES, ConfigError
 from runtime.offload.store import KVStore, check_store
 
 _DTYPES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
 _ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 _OFFLOAD = (None, "host", "mooncake")
-
-
-class ConfigError(ValueError):
-    """An engine setting is out of range or inconsistent with another."""
 
 
 def _positive(name: str, value) -> None:

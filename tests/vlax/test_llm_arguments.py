@@ -87,3 +87,17 @@ def test_float16_by_name_serves_what_auto_serves_for_a_float16_checkpoint(llm, f
     auto_out = llm.generate(prompts, GREEDY, use_tqdm=False)
     name_out = by_name.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in name_out] == [o.outputs[0].token_ids for o in auto_out]
+
+
+def test_a_bad_checkpoint_config_raises_the_one_config_error(tmp_path):
+    # model/config.py used to define a ConfigError of its own, which `except ConfigError` with
+    # runtime.config's class (the one vlax documents) did not catch.
+    (tmp_path / "config.json").write_text("not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LLM(str(tmp_path))
+
+
+def test_a_scheduler_limit_the_core_rejects_raises_the_one_config_error(float16_path):
+    # The pure core raises SchedulerConfigError; the engine turns it into ConfigError.
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=4 is below max_num_seqs=8"):
+        LLM(float16_path, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=4)
