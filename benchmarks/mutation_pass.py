@@ -52,11 +52,15 @@ def _m(name, file, original, mutated, tests):
     return Mutant(name, file, original, mutated, tests)
 
 
-BH, BP, KVC = "runtime/core/block_hash.py", "runtime/core/block_pool.py", "runtime/core/kv_cache.py"
-SS, ES = "runtime/core/schedule_step.py", "runtime/core/encoder_scheduling.py"
-EC, KJ = "runtime/core/encoder_cache.py", "runtime/core/kv_jobs.py"
-UP, STOP = "runtime/core/update_step.py", "runtime/core/stop.py"
-SST = "runtime/core/scheduler_state.py"
+BH, BP, KVC = (
+    "runtime/core/kv/block_hash.py",
+    "runtime/core/kv/block_pool.py",
+    "runtime/core/kv/kv_cache.py",
+)
+SS, ES = "runtime/core/scheduling/plan_step.py", "runtime/core/scheduling/encoder_scheduling.py"
+EC, KJ = "runtime/core/encoder/encoder_cache.py", "runtime/core/kv_jobs/jobs.py"
+UP, STOP = "runtime/core/scheduling/apply_output.py", "runtime/core/scheduling/stop.py"
+SST = "runtime/core/scheduling/scheduler_state.py"
 SMP, SMD = "runtime/runner/sampler.py", "runtime/runner/sampling_metadata.py"
 INP = "runtime/runner/inputs.py"
 LLAMA, NORM, ROPE = "model/llama.py", "model/layers/norms.py", "model/layers/rotary.py"
@@ -336,14 +340,14 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sampler_presence_counts_occurrences",
         SMP,
-        "return logits - md.presence_penalty[:, None] * (out_counts > 0)",
-        "return logits - md.presence_penalty[:, None] * out_counts",
+        "return logits - metadata.presence_penalty[:, None] * (out_counts > 0)",
+        "return logits - metadata.presence_penalty[:, None] * out_counts",
         SAMPLER,
     ),
     _m(
         "sampler_repetition_ignores_prompt",
         SMP,
-        "seen = (out_counts + _counts(md.prompt_ids, md.prompt_valid, md.vocab_size)) > 0",
+        "seen = (out_counts + prompt_counts) > 0",
         "seen = out_counts > 0",
         SAMPLER,
     ),
@@ -357,8 +361,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sampler_min_p_absolute",
         SMP,
-        "cutoff = md.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)",
-        "cutoff = md.min_p[:, None]",
+        "cutoff = metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)",
+        "cutoff = metadata.min_p[:, None]",
         SAMPLER,
     ),
     _m(
@@ -371,8 +375,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sampler_logit_bias_replaces",
         SMP,
-        "logits = logits.at[rows, md.bias_ids].add(md.bias_values)",
-        "logits = logits.at[rows, md.bias_ids].set(md.bias_values)",
+        "logits = logits.at[rows, metadata.bias_ids].add(metadata.bias_values)",
+        "logits = logits.at[rows, metadata.bias_ids].set(metadata.bias_values)",
         SAMPLER,
     ),
     _m(

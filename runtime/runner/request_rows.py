@@ -15,16 +15,18 @@ from runtime.runner.inputs import RequestRow
 _REMOVED, _ADDED, _CHANGED = 0, 1, 2
 
 
-def apply(rows: dict[str, RequestRow], so: SchedulerOutput) -> tuple[list[str], list[tuple]]:
+def apply(
+    rows: dict[str, RequestRow], scheduler_output: SchedulerOutput
+) -> tuple[list[str], list[tuple]]:
     """Apply `so` to `rows`; returns the scheduled ids in batch order, and the undo log."""
     log: list[tuple] = []
-    for rid in so.finished_req_ids:
+    for rid in scheduler_output.finished_req_ids:
         row = rows.pop(rid, None)
         if row is not None:
             log.append((_REMOVED, rid, row))
     order = []
-    for cd in so.scheduled_cached_reqs:
-        row = rows[cd.req_id]
+    for cached in scheduler_output.scheduled_cached_reqs:
+        row = rows[cached.req_id]
         log.append(
             (
                 _CHANGED,
@@ -35,26 +37,26 @@ def apply(rows: dict[str, RequestRow], so: SchedulerOutput) -> tuple[list[str], 
                 row.num_computed_tokens,
             )
         )
-        if cd.resumed_from_preemption:
-            row.block_ids = list(cd.new_block_ids)
-            if cd.all_token_ids is not None:
-                row.token_ids = list(cd.all_token_ids)
+        if cached.resumed_from_preemption:
+            row.block_ids = list(cached.new_block_ids)
+            if cached.all_token_ids is not None:
+                row.token_ids = list(cached.all_token_ids)
         else:
-            row.block_ids.extend(cd.new_block_ids)
-        row.num_computed_tokens = cd.num_computed_tokens
-        order.append(cd.req_id)
-    for nd in so.scheduled_new_reqs:
-        log.append((_ADDED, nd.req_id, rows.get(nd.req_id)))
-        rows[nd.req_id] = RequestRow(
-            nd.req_id,
-            list(nd.prompt_token_ids),
-            list(nd.block_ids),
-            prompt_len=len(nd.prompt_token_ids),
-            sampling_params=nd.sampling_params,
-            num_computed_tokens=nd.num_computed_tokens,
-            eos_token_ids=nd.eos_token_ids,
+            row.block_ids.extend(cached.new_block_ids)
+        row.num_computed_tokens = cached.num_computed_tokens
+        order.append(cached.req_id)
+    for new_request in scheduler_output.scheduled_new_reqs:
+        log.append((_ADDED, new_request.req_id, rows.get(new_request.req_id)))
+        rows[new_request.req_id] = RequestRow(
+            new_request.req_id,
+            list(new_request.prompt_token_ids),
+            list(new_request.block_ids),
+            prompt_len=len(new_request.prompt_token_ids),
+            sampling_params=new_request.sampling_params,
+            num_computed_tokens=new_request.num_computed_tokens,
+            eos_token_ids=new_request.eos_token_ids,
         )
-        order.append(nd.req_id)
+        order.append(new_request.req_id)
     return order, log
 
 

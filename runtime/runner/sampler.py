@@ -49,12 +49,12 @@ def compute_prompt_logprobs(
     return gather_logprobs(logprobs, next_token_ids, num_logprobs)
 
 
-def _row_keys(md: SamplingMetadata) -> jax.Array:
+def _row_keys(metadata: SamplingMetadata) -> jax.Array:
     def one(lo, hi, salt, counter):
         key = jax.random.fold_in(jax.random.key(lo), hi)
         return jax.random.fold_in(jax.random.fold_in(key, salt), counter)
 
-    return jax.vmap(one)(md.seed_lo, md.seed_hi, md.salt, md.counter)
+    return jax.vmap(one)(metadata.seed_lo, metadata.seed_hi, metadata.salt, metadata.counter)
 
 
 def _counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
@@ -62,13 +62,14 @@ def _counts(ids: jax.Array, weights: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.zeros((ids.shape[0], vocab_size), jnp.float32).at[rows, ids].add(weights)
 
 
-def _apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    out_counts = _counts(md.output_ids, md.output_valid, md.vocab_size)
-    seen = (out_counts + _counts(md.prompt_ids, md.prompt_valid, md.vocab_size)) > 0
-    rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
+def _apply_penalties(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    out_counts = _counts(metadata.output_ids, metadata.output_valid, metadata.vocab_size)
+    prompt_counts = _counts(metadata.prompt_ids, metadata.prompt_valid, metadata.vocab_size)
+    seen = (out_counts + prompt_counts) > 0
+    rep = jnp.where(seen, metadata.repetition_penalty[:, None], 1.0)
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - md.frequency_penalty[:, None] * out_counts
-    return logits - md.presence_penalty[:, None] * (out_counts > 0)
+    logits = logits - metadata.frequency_penalty[:, None] * out_counts
+    return logits - metadata.presence_penalty[:, None] * (out_counts > 0)
 
 
 def _sortable_key(x: jax.Array) -> jax.Array:
@@ -111,31 +112,35 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.clip(first, 0, x.shape[-1] - 1).astype(jnp.int32)
 
 
-def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    logits = logits / md.temperature[:, None]
-    if md.needs_min_p:
+def _random_sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    logits = logits / metadata.temperature[:, None]
+    if metadata.needs_min_p:
         probs = jax.nn.softmax(logits, axis=-1)
-        cutoff = md.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        cutoff = metadata.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
         logits = jnp.where(probs < cutoff, -jnp.inf, logits)
-    if md.needs_top_k_top_p:
-        logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+    if metadata.needs_top_k_top_p:
+        logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = jax.nn.softmax(logits, axis=-1)
-    q = jax.vmap(lambda k: jax.random.exponential(k, (md.vocab_size,), jnp.float32))(_row_keys(md))
+    q = jax.vmap(lambda k: jax.random.exponential(k, (metadata.vocab_size,), jnp.float32))(
+        _row_keys(metadata)
+    )
     return _argmax(probs / jnp.maximum(q, jnp.finfo(jnp.float32).tiny))
 
 
-def _processed(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    rows = jnp.arange(md.num_rows)[:, None]
-    logits = logits.at[rows, md.stop_ids].min(jnp.where(md.stop_active, -jnp.inf, jnp.inf))
-    logits = logits.at[rows, md.bias_ids].add(md.bias_values)
-    return _apply_penalties(logits, md) if md.needs_penalties else logits
+def _processed(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    rows = jnp.arange(metadata.num_rows)[:, None]
+    logits = logits.at[rows, metadata.stop_ids].min(
+        jnp.where(metadata.stop_active, -jnp.inf, jnp.inf)
+    )
+    logits = logits.at[rows, metadata.bias_ids].add(metadata.bias_values)
+    return _apply_penalties(logits, metadata) if metadata.needs_penalties else logits
 
 
-def _check_shape(logits: jax.Array, md: SamplingMetadata) -> None:
-    if logits.shape != (md.num_rows, md.vocab_size):
+def _check_shape(logits: jax.Array, metadata: SamplingMetadata) -> None:
+    if logits.shape != (metadata.num_rows, metadata.vocab_size):
         raise ValueError(
             f"logits shape {logits.shape} does not match the metadata's "
-            f"(rows, vocab) = {(md.num_rows, md.vocab_size)}"
+            f"(rows, vocab) = {(metadata.num_rows, metadata.vocab_size)}"
         )
 
 
@@ -152,14 +157,13 @@ def sample(
     logits: jax.Array, metadata: SamplingMetadata, num_logprobs: int | None = None
 ) -> SamplerOutput:
     """Sample one token per row of logits[R, V]; `num_logprobs` (static) adds raw logprobs."""
-    md = metadata
-    _check_shape(logits, md)
+    _check_shape(logits, metadata)
     logits = logits.astype(jnp.float32)
     raw_logprobs = None if num_logprobs is None else jax.nn.log_softmax(logits, axis=-1)
-    logits = _processed(logits, md)
+    logits = _processed(logits, metadata)
     token_ids = _argmax(logits)
-    if not md.all_greedy:
-        token_ids = jnp.where(md.greedy, token_ids, _random_sample(logits, md))
+    if not metadata.all_greedy:
+        token_ids = jnp.where(metadata.greedy, token_ids, _random_sample(logits, metadata))
     token_ids = token_ids.astype(jnp.int32)
     if raw_logprobs is None:
         return SamplerOutput(token_ids=token_ids)
