@@ -46,10 +46,10 @@ class KVCacheSizeError(ValueError):
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "want_hidden"), donate_argnums=(2,))
-def _step(graphdef, params, kv_caches, batch, md, *, num_logprobs, want_hidden):
+def _step(graphdef, params, kv_caches, batch, metadata, *, num_logprobs, want_hidden):
     kv_caches, hidden = forward(graphdef, params, kv_caches, batch)
     logits = compute_logits(graphdef, params, hidden[batch.logits_indices])
-    out = sample(logits, md, num_logprobs)
+    out = sample(logits, metadata, num_logprobs)
     return kv_caches, out, (hidden if want_hidden else None)
 
 
@@ -158,25 +158,25 @@ class ModelRunner:
         )
         self.rows: dict[str, RequestRow] = {}
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. If it raises before the device step took the KV cache, the runner is as
         it was before the call (runtime/runner/errors.py says what each failure means)."""
-        order, undo = request_rows.apply(self.rows, so)
+        order, undo = request_rows.apply(self.rows, scheduler_output)
         if not order:
             return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
         caches = self.kv_caches
         try:
-            return self._execute(so, order)
+            return self._execute(scheduler_output, order)
         except Exception as err:
             if self.kv_caches is caches and not _taken(caches):
                 request_rows.undo(self.rows, undo)
                 raise
             raise RunnerLost(
-                f"step {so.step}: the device step failed after it took the KV cache ({err!r}); "
+                f"step {scheduler_output.step}: the device step failed after it took the KV cache ({err!r}); "
                 "this runner cannot serve any more requests"
             ) from err
 
-    def _execute(self, so: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
         want_prompt = frozenset(
             r
             for r in order
@@ -197,10 +197,13 @@ class ModelRunner:
                 f"{row.num_prompt_logprobs_done}..{row.num_computed_tokens - 1} were never "
                 "computed (a prefix-cache hit or KV load must not skip its prompt)",
             )
-        hb = self.builder.build(
-            self.rows, so.num_scheduled_tokens, order, want_prompt_logprobs=want_prompt
+        host_batch = self.builder.build(
+            self.rows,
+            scheduler_output.num_scheduled_tokens,
+            order,
+            want_prompt_logprobs=want_prompt,
         )
-        sampling = [self.rows[r] for r in hb.sampling_req_ids]
+        sampling = [self.rows[r] for r in host_batch.sampling_req_ids]
         vocab = self.model_config.vocab_size
         k = logprobs_bucket(
             max(
@@ -213,30 +216,30 @@ class ModelRunner:
             ),
             vocab,
         )
-        md = make_sampling_metadata(
+        metadata = make_sampling_metadata(
             [self._sampling_row(r) for r in sampling],
-            num_rows=hb.arrays["logits_indices"].shape[0],
+            num_rows=host_batch.arrays["logits_indices"].shape[0],
             vocab_size=vocab,
             global_seed=self.seed,
-            step=so.step,
+            step=scheduler_output.step,
         )
         # Host arrays go to the jitted step as they are: the call transfers them in its C++
         # dispatch (jnp.asarray on each one first cost ~80 us apiece, most of a decode step's
         # host time).
-        batch = ModelBatch(**hb.arrays)
+        batch = ModelBatch(**host_batch.arrays)
         self.kv_caches, out, hidden = _step(
             self.graphdef,
             self.params,
             self.kv_caches,
             batch,
-            md,
+            metadata,
             num_logprobs=k,
-            want_hidden=bool(hb.prompt_logprob_rows),
+            want_hidden=bool(host_batch.prompt_logprob_rows),
         )
         tokens = np.asarray(out.token_ids)
-        sampled = {rid: int(tokens[i]) for i, rid in enumerate(hb.sampling_req_ids)}
-        logprobs = self._logprobs(hb, out, sampling) if k is not None else None
-        prompt_lp = self._prompt_logprobs(hb, hidden) if hidden is not None else None
+        sampled = {rid: int(tokens[i]) for i, rid in enumerate(host_batch.sampling_req_ids)}
+        logprobs = self._logprobs(host_batch, out, sampling) if k is not None else None
+        prompt_lp = self._prompt_logprobs(host_batch, hidden) if hidden is not None else None
         for rid, tok in sampled.items():
             self.rows[rid].token_ids.append(tok)
         return ModelRunnerOutput(
@@ -254,7 +257,9 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _logprobs(hb: HostBatch, out, sampling: list[RequestRow]) -> dict[str, LogprobsEntry]:
+    def _logprobs(
+        host_batch: HostBatch, out, sampling: list[RequestRow]
+    ) -> dict[str, LogprobsEntry]:
         ids, vals, ranks = map(np.asarray, (out.logprob_token_ids, out.logprobs, out.ranks))
         entries = {}
         for i, row in enumerate(sampling):
@@ -268,9 +273,9 @@ class ModelRunner:
             )
         return entries
 
-    def _prompt_logprobs(self, hb: HostBatch, hidden) -> immutables.Map:
+    def _prompt_logprobs(self, host_batch: HostBatch, hidden) -> immutables.Map:
         result = {}
-        for rid, (start, n) in hb.prompt_logprob_rows.items():
+        for rid, (start, n) in host_batch.prompt_logprob_rows.items():
             row = self.rows[rid]
             chunk = row.num_computed_tokens  # prompt position of the chunk's first token
             done = row.num_prompt_logprobs_done  # <= chunk: checked before the step
