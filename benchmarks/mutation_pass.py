@@ -107,8 +107,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "pool_fresh_range_off_by_one",
         BP,
-        "num_fresh = min(n, pool.num_blocks - pool.next_fresh)",
-        "num_fresh = min(n, pool.num_blocks - pool.next_fresh - 1)",
+        "num_fresh = min(n - len(taken), pool.num_blocks - pool.next_fresh)",
+        "num_fresh = min(n - len(taken), pool.num_blocks - pool.next_fresh - 1)",
         CORE,
     ),
     _m(
@@ -173,8 +173,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sched_long_prefill_cap_never_lifted",
         SS,
-        "many = len(state.running) + len(state.waiting) > 1",
-        "many = len(state.running) + len(state.waiting) >= 1",
+        "many = len(state.running) + len(state.waiting) + len(holding) > 1",
+        "many = len(state.running) + len(state.waiting) + len(holding) >= 1",
         CORE,
     ),
     _m(
@@ -311,8 +311,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "stop_ignore_eos_ignored",
         STOP,
-        "if last == request.eos_token_id and not params.ignore_eos:",
-        "if last == request.eos_token_id:",
+        "if eos and not params.ignore_eos and last in eos:",
+        "if eos and last in eos:",
         CORE,
     ),
     _m(
@@ -389,29 +389,29 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sampling_top_k_zero_is_not_off",
         SMD,
-        "top_k[r] = vocab_size if p.top_k in (0, -1) else min(p.top_k, vocab_size)",
-        "top_k[r] = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)",
+        "vocab_size if greedy or p.top_k in (0, -1) else min(p.top_k, vocab_size),",
+        "vocab_size if greedy or p.top_k == -1 else min(p.top_k, vocab_size),",
         SAMPLER,
     ),
     _m(
         "sampling_seeded_stream_follows_the_step",
         SMD,
-        "counter[r] = len(row.output_token_ids)",
-        "counter[r] = step % (1 << 32)",
+        "step_counter if p.seed is None else row.num_output_tokens",
+        "step_counter if p.seed is None else step_counter",
         SAMPLER,
     ),
     _m(
         "sampling_min_tokens_off_by_one",
         SMD,
-        "stop = stop if len(row.output_token_ids) < p.min_tokens else ()",
-        "stop = stop if len(row.output_token_ids) <= p.min_tokens else ()",
+        "if p.min_tokens and row.num_output_tokens < p.min_tokens",
+        "if p.min_tokens and row.num_output_tokens <= p.min_tokens",
         SAMPLER,
     ),
     _m(
         "sampling_ignore_eos_still_masks_eos",
         SMD,
-        "if row.eos_token_id is not None and not p.ignore_eos:",
-        "if row.eos_token_id is not None:",
+        "(p.stop_token_ids + (() if p.ignore_eos else row.eos_token_ids))",
+        "(p.stop_token_ids + row.eos_token_ids)",
         SAMPLER,
     ),
     _m(
@@ -424,23 +424,30 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "sampling_unseeded_rows_share_a_stream",
         SMD,
-        "salt[r] = _request_salt(row.request_id)",
-        "salt[r] = 1",
+        "0 if p.seed is not None or v[0] else _request_salt(row.request_id)",
+        "0 if p.seed is not None or v[0] else 1",
         SAMPLER,
     ),
     # ---- runner inputs
     _m(
         "inputs_slot_without_block_size",
         INP,
-        "slot_mapping[start : start + n] = table[pos // bs] * bs + pos % bs",
-        "slot_mapping[start : start + n] = table[pos // bs] + pos % bs",
+        "slots.append(table[c // bs] * bs + c % bs)",
+        "slots.append(table[c // bs] + c % bs)",
         INPUTS,
     ),
     _m(
         "inputs_table_drops_partial_block",
         INP,
-        "used = -(-(c + n) // bs)",
-        "used = (c + n) // bs",
+        "used = -(-end // bs)",
+        "used = end // bs",
+        INPUTS,
+    ),
+    _m(
+        "inputs_chunk_slots_stop_short_of_a_block_end",
+        INP,
+        "slots.extend(range(base + max(c - b * bs, 0), base + min(end - b * bs, bs)))",
+        "slots.extend(range(base + max(c - b * bs, 0), base + min(end - b * bs, bs - 1)))",
         INPUTS,
     ),
     _m(
@@ -453,8 +460,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "inputs_resumed_request_samples_mid_recompute",
         INP,
-        "if c + n >= len(row.token_ids):",
-        "if c + n >= row.prompt_len:",
+        "if end >= len(row.token_ids):",
+        "if end >= row.prompt_len:",
         INPUTS,
     ),
     # ---- model
@@ -565,10 +572,10 @@ MUTANTS: tuple[Mutant, ...] = (
         RPA,
     ),
     _m(
-        "rpa_stale_page_values_not_zeroed",
+        "rpa_non_finite_values_not_kept_out",
         RPA_REF,
-        "vw = jnp.where(key_ok[:, :, None, None], vw.astype(jnp.float32), 0.0)",
-        "vw = vw.astype(jnp.float32)",
+        "vw = jnp.where(v_bad[..., None], 0.0, vw)",
+        "vw = vw",
         RPA,
     ),
     _m(
