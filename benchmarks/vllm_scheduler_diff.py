@@ -18,6 +18,8 @@ Workloads (`--cases`; each runs once per seed of `--seeds`):
 - priority: priority policy, random priorities, arrivals over time, tight pool;
 - prefix, prefix_off, prefix_priority: prompts sharing a few long prefixes, arrivals over time,
   a tight pool (prefix caching on; off; on with the priority policy);
+- prompt_logprobs: as prefix, with 30% of the requests asking for prompt logprobs (they read no
+  prefix-cache hit, as in vLLM, but still cache their blocks);
 - aborts, aborts_priority: aborts at seeded steps of running, waiting and preempted requests,
   applied to both between update() and the next schedule();
 - max_model_len: max_tokens far past a small max_model_len, so most requests hit the cap;
@@ -31,7 +33,9 @@ Workloads (`--cases`; each runs once per seed of `--seeds`):
 vLLM is not a project dependency: run this from a separate environment, e.g.
 
     python3 -m venv --system-site-packages /tmp/vllmenv
-    /tmp/vllmenv/bin/pip install vllm==0.33.0 --no-deps   # + the pure-Python deps it imports
+    /tmp/vllmenv/bin/pip install vllm==0.33.0 --no-deps   # or the wheel file
+    /tmp/vllmenv/bin/pip install cbor2 openai openai-harmony pybase64 cachetools msgspec \
+        xgrammar fastapi partial-json-parser llguidance einops   # what it imports here
     /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py            # every case, 6 seeds
     /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py --cases priority --seeds 3 --json
 
@@ -51,9 +55,9 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.scheduler_overhead import BLOCK_SIZE, CASES, MAX_MODEL_LEN  # noqa: E402
-from runtime.core import block_pool as bp  # noqa: E402
-from runtime.core import kv_cache as kvc  # noqa: E402
 from runtime.core import scheduler as sch  # noqa: E402
+from runtime.core.kv import block_pool as bp  # noqa: E402
+from runtime.core.kv import kv_cache as kvc  # noqa: E402
 from runtime.core.outputs import ModelRunnerOutput  # noqa: E402
 from runtime.core.request import Request, RequestStatus, SamplingParams  # noqa: E402
 
@@ -67,6 +71,7 @@ WORKLOADS = {
     "prefix": {**SHARED, "prompts": "shared", "arrivals": 400},
     "prefix_off": {**SHARED, "prompts": "shared", "arrivals": 400, "prefix_caching": False},
     "prefix_priority": {**SHARED, "prompts": "shared", "arrivals": 400, "policy": "priority"},
+    "prompt_logprobs": {**SHARED, "prompts": "shared", "arrivals": 400, "prompt_logprobs": 0.3},
     "aborts": {**SHARED, "prompts": "shared", "arrivals": 300, "abort_rate": 0.08},
     "aborts_priority": {
         **SHARED,
@@ -145,10 +150,16 @@ def make_workload(case: dict, seed: int) -> tuple[list[tuple[int, Request]], lis
             prompt = (shared + own)[:longest]
         else:
             prompt = tuple(rng.randrange(3, 32000) for _ in range(rng.randint(10, longest)))
+        # A request asking for prompt logprobs reads no prefix-cache hit (it still caches).
+        prompt_logprobs = 1 if rng.random() < case.get("prompt_logprobs", 0.0) else None
         request = Request(
             f"req-{index}",
             prompt,
-            SamplingParams(max_tokens=rng.randint(*rng.choice(outputs)), ignore_eos=True),
+            SamplingParams(
+                max_tokens=rng.randint(*rng.choice(outputs)),
+                ignore_eos=True,
+                prompt_logprobs=prompt_logprobs,
+            ),
             arrival_time=float(index),
             priority=rng.randint(0, 3) if case.get("policy") == "priority" else 0,
         )
@@ -259,7 +270,9 @@ def vllm_request(request: Request):
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
         sampling_params=VllmSamplingParams(
-            max_tokens=params.max_tokens, ignore_eos=params.ignore_eos
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            prompt_logprobs=params.prompt_logprobs,
         ),
         pooling_params=None,
         arrival_time=request.arrival_time,
