@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
@@ -47,31 +48,65 @@ def check_private_network() -> None:
 
 
 def start_master(port: int = PORT, *, evicts: bool = False) -> subprocess.Popen:
-    """mooncake_master on 127.0.0.1:port; unless `evicts`, one that never evicts anything.
+    """mooncake_master on 127.0.0.1:port (metrics on port + 1), returned once it listens on both;
+    unless `evicts`, one that never evicts anything.
 
     Eviction runs when the used ratio passes the high watermark or, after a failed allocation,
     when the eviction ratio is above 0: with 1.0 and 0.0 neither can happen.
+
+    Start masters before any client exists: the ports lie in the ephemeral range, and a master
+    whose port a client connection took as its source port exits at once (it did in 1 of 10
+    loaded runs, when the evicting master was started mid-scenario). A port something listens on
+    is never handed out as a source port.
     """
     eviction = [] if evicts else ["--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0.0"]
-    return subprocess.Popen(
-        [
-            "mooncake_master",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={port}",
-            "--metrics_port",
-            str(port + 1),
-            # A get leases its object; a read whose transfer outlasts the lease fails with
-            # LEASE_EXPIRED. 100 ms did under two busy loops (3 loads lost in the engine
-            # scenario): a lease is a bound on a transfer, so give it one no load reaches.
-            "--default_kv_lease_ttl=600000",
-            *eviction,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        # A scenario killed by its test's timeout never reaches its `finally`: the master must
-        # go with it rather than outlive it in the orphaned namespace.
-        preexec_fn=_die_with_parent,
-    )
+    # The master keeps its own descriptor of the log; this one is only read if it fails.
+    with tempfile.TemporaryFile() as log:
+        master = subprocess.Popen(
+            [
+                "mooncake_master",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={port}",
+                "--metrics_port",
+                str(port + 1),
+                # A get leases its object; a read whose transfer outlasts the lease fails with
+                # LEASE_EXPIRED. 100 ms did under two busy loops (3 loads lost in the engine
+                # scenario): a lease is a bound on a transfer, so give it one no load reaches.
+                "--default_kv_lease_ttl=600000",
+                *eviction,
+            ],
+            stdout=log,
+            stderr=log,
+            # A scenario killed by its test's timeout never reaches its `finally`: the master must
+            # go with it rather than outlive it in the orphaned namespace.
+            preexec_fn=_die_with_parent,
+        )
+        _wait_until_listening(master, {port, port + 1}, log)
+    return master
+
+
+def _listening_ports() -> set[int]:
+    """TCP ports something listens on in this namespace, read from /proc (opening no socket)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _wait_until_listening(master: subprocess.Popen, ports: set[int], log) -> None:
+    """Poll until the master listens on `ports`; a master that exits instead fails the scenario
+    at once with its log (the deadline only bounds one that hangs)."""
+    deadline = time.monotonic() + 120
+    while not ports <= _listening_ports():
+        if master.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-2000:]
+            sys.exit(f"mooncake_master (exit {master.poll()}) never listened on {ports}:\n{tail}")
+        time.sleep(0.05)
 
 
 def _die_with_parent() -> None:
@@ -141,20 +176,15 @@ def check_evicting_pool_returns_what_was_written() -> None:
     # With eviction on, which puts land and which stored blocks survive depend on when the
     # master's eviction thread runs. Under every schedule: no put raises, and a read gives the
     # value written to that key or nothing.
-    master = start_master(EVICTING_PORT, evicts=True)
-    try:
-        address = f"127.0.0.1:{EVICTING_PORT}"
-        with connect(address, segment_bytes=16 << 20, retries=2, sleep=lambda s: None) as s:
-            keys = [key(2000 + i) for i in range(512)]
-            stored = s.put(keys, [value(i) for i in range(512)]).stored
-            got = s.get(keys)
-            wrong = [i for i, v in enumerate(got) if v not in (value(i), None)]
-            assert not wrong, f"blocks {wrong[:8]} read back bytes that were never written there"
-        print(
-            f"evicting pool ok: {sum(stored)} of 512 stored, {sum(v is not None for v in got)} left"
-        )
-    finally:
-        stop_master(master)
+    address = f"127.0.0.1:{EVICTING_PORT}"
+    with connect(address, segment_bytes=16 << 20, retries=2, sleep=lambda s: None) as s:
+        keys = [key(2000 + i) for i in range(512)]
+        stored = s.put(keys, [value(i) for i in range(512)]).stored
+        got = s.get(keys)
+        wrong = [i for i, v in enumerate(got) if v not in (value(i), None)]
+        assert not wrong, f"blocks {wrong[:8]} read back bytes that were never written there"
+    left = sum(v is not None for v in got)
+    print(f"evicting pool ok: {sum(stored)} of 512 stored, {left} left")
 
 
 def check_jobs_through_the_worker() -> None:
@@ -205,14 +235,15 @@ def check_jobs_through_the_worker() -> None:
 
 def main() -> int:
     check_private_network()
-    master = start_master()
+    masters = [start_master(), start_master(EVICTING_PORT, evicts=True)]  # before any client
     try:
         check_store_semantics()
         check_full_pool_is_reported()
         check_evicting_pool_returns_what_was_written()
         check_jobs_through_the_worker()
     finally:
-        stop_master(master)
+        for master in masters:
+            stop_master(master)
     print("MOONCAKE SCENARIO PASSED")
     return 0
 
