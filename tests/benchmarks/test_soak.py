@@ -14,5 +14,5 @@ def test_soak_with_a_faulty_host_store_loses_nothing():
     # The run did meet what it is about (counts that hold under any thread timing).
     assert report["aborts"] > 0 and report["preemptions"] > 0, report
     assert report["store_faults_injected"] > 0 and report["offload"]["blocks_loaded"] > 0, report
-    assert report["checked_requests"] > report["requests"] // 3, report
+    assert report["checked_requests"] > report["requests"] // 5, report
     assert report["shm_reclaimed_after_sigkill"] == 1
