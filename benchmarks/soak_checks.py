@@ -116,7 +116,7 @@ def check_nothing_held(engine) -> dict:
         "leaked_blocks": usable - kvc.num_free_blocks(state.kv),
         "leaked_pins": sum(pins.values()),
         "leaked_jobs": in_flight + worker + loading,
-        "leaked_slots": slots + len(engine._looking_up),
+        "leaked_slots": slots + engine.num_awaiting_lookup,
         "invariant_errors": problems,
     }
 

@@ -279,6 +279,11 @@ class Engine:
         self.state, outputs = self.output_processor.finish(self.state, samples, FinishReason.ABORT)
         return outputs
 
+    @property
+    def num_awaiting_lookup(self) -> int:
+        """Requests held back until the shared store answers their prefix lookup."""
+        return len(self._looking_up)
+
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or KV jobs still pinning blocks (their completions arrive only
         with a step, so the loop keeps stepping)."""
