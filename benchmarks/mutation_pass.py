@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CORE = ("tests/runtime/core",)
-SAMPLER = ("tests/runtime/runner/test_sampler.py",)
+SAMPLER = ("tests/runtime/runner/test_sampler.py", "tests/runtime/runner/test_sampler_edges.py")
 INPUTS = ("tests/runtime/runner", "tests/vlax/test_generate_hf_parity.py")
 MODEL = ("tests/model",)
 RPA = (
