@@ -9,12 +9,12 @@ lookup answers the ones queued behind it at once, so a dead store costs each req
 """
 
 import queue
-import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from runtime.core.kv.block_pool import BlockHash
 from runtime.offload.store import KVStore
+from runtime.offload.store_thread import StoreThread
 
 __all__ = ["LookupDone", "PrefixLookups", "stored_prefix"]
 
@@ -35,33 +35,15 @@ class LookupDone:
     error: str | None = None
 
 
-class PrefixLookups:
+class PrefixLookups(StoreThread):
+    """`take` gives back LookupDone answers, in submission order."""
+
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self._todo: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="vlax-kv-lookup", daemon=True)
-        self._thread.start()
+        super().__init__("vlax-kv-lookup")
 
     def submit(self, token: Hashable, block_hashes: Sequence[BlockHash]) -> None:
         self._todo.put((token, tuple(block_hashes)))
-
-    def take(self, wait_s: float = 0.0) -> list[LookupDone]:
-        """Every answer so far, in submission order; with wait_s > 0, first wait that long for
-        at least one."""
-        done = []
-        try:
-            done.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
-            while True:
-                done.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        return done
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._todo.put(None)
-            self._thread.join()
 
     def _run(self) -> None:
         while (item := self._todo.get()) is not None:

@@ -47,7 +47,7 @@ class KVOffloader:
     def finish(self, kv_cache, wait_s: float = 0.0) -> tuple[object, tuple[KVJobResult, ...]]:
         """Collect ended jobs (waiting up to wait_s for one); write the rows of ok loads."""
         results = []
-        for done in self._worker.take_done(wait_s):
+        for done in self._worker.take(wait_s):
             result = done.result
             if done.rows is not None:
                 kv_cache, finite = scatter_blocks(kv_cache, done.job.block_ids, done.rows)

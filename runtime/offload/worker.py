@@ -5,7 +5,6 @@ the next step at once); the worker waits for the copy to host and puts the rows.
 store reads; the rows go back to the engine thread, which owns the KV cache and writes them.
 """
 
-import queue
 import threading
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import numpy as np
 from runtime.core.kv_jobs.jobs import KVJob, KVJobResult, LoadJob, StoreJob
 from runtime.offload.device_copy import rows_to_host
 from runtime.offload.store import KVStore
+from runtime.offload.store_thread import StoreThread
 
 __all__ = ["JobDone", "OffloadWorker"]
 
@@ -28,15 +28,14 @@ class JobDone:
     error: str | None = None
 
 
-class OffloadWorker:
+class OffloadWorker(StoreThread):
+    """`take` gives back a JobDone for every job that ended."""
+
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self._todo: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
         self._live: set[int] = set()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="vlax-kv-offload", daemon=True)
-        self._thread.start()
+        super().__init__("vlax-kv-offload")
 
     @property
     def num_in_flight(self) -> int:
@@ -48,22 +47,6 @@ class OffloadWorker:
 
     def submit_load(self, job: LoadJob) -> None:
         self._submit(job, None)
-
-    def take_done(self, wait_s: float = 0.0) -> list[JobDone]:
-        """Every job ended so far; with wait_s > 0, first wait that long for at least one."""
-        done = []
-        try:
-            done.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
-            while True:
-                done.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        return done
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._todo.put(None)
-            self._thread.join()
 
     def _submit(self, job: KVJob, payload) -> None:
         with self._lock:
