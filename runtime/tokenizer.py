@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,14 @@ class Tokenizer:
     add_bos_token: bool | None  # None: the tokenizer.json post-processor decides
     add_eos_token: bool
     chat_template: str | None
+    # Read once: every request's detokenizer asks, and the backend builds its added-token table
+    # anew on each call (~130 us with Llama 3's 256 special tokens).
+    all_special_ids: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        added = self.backend.get_added_tokens_decoder()
+        special = frozenset(i for i, t in added.items() if t.special)
+        object.__setattr__(self, "all_special_ids", special)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -106,10 +114,6 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._id("pad_token")
-
-    @property
-    def all_special_ids(self) -> frozenset[int]:
-        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the checkpoint's config says
