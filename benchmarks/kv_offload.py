@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -99,41 +98,23 @@ def _host_jobs(repeats: int) -> dict:
 
 
 def _mooncake_inside(repeats: int) -> dict:
-    from runtime.offload.mooncake_store import MooncakeStore
-    from runtime.offload.store import StoreError
+    from benchmarks.mooncake_master import connect_store, start_master, stop_master
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    master = subprocess.Popen(
-        [
-            "mooncake_master",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={PORT}",
-            f"--metrics_port={PORT + 1}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    master = start_master(PORT)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                store = MooncakeStore(
-                    f"127.0.0.1:{PORT}",
-                    BLOCK_BYTES,
-                    namespace="bench",
-                    segment_bytes=256 << 20,
-                    buffer_bytes=64 << 20,
-                )
-                break
-            except StoreError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        store = connect_store(
+            PORT,
+            BLOCK_BYTES,
+            namespace="bench",
+            segment_bytes=256 << 20,
+            buffer_bytes=64 << 20,
+            timeout_s=20,
+        )
         with store:
             return _store_rates(store, repeats)
     finally:
-        master.send_signal(signal.SIGTERM)
-        master.wait(timeout=10)
+        stop_master(master)
 
 
 def _mooncake(repeats: int) -> dict:

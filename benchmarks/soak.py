@@ -26,7 +26,6 @@ import gc
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tqdm.auto import tqdm
 
+from benchmarks.mooncake_master import connect_store, start_master, stop_master
 from benchmarks.soak_checks import (
     Outputs,
     check_nothing_held,
@@ -46,8 +46,8 @@ from benchmarks.soak_checks import (
 from benchmarks.soak_workload import SIZES, SoakRequest, SoakSize, make_workload, reference_tokens
 from runtime.core.request import RequestStatus
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORT = 47851
-MASTER = f"127.0.0.1:{PORT}"
 FAULT_RATE = 0.15  # of store reads and of store writes
 ABORT_RATE = 0.08  # chance per step that one request is aborted
 RSS_GROWTH_LIMIT = 0.10
@@ -79,19 +79,14 @@ def engine_args(size: SoakSize) -> dict:
 
 @dataclass
 class Master:
-    """A mooncake_master on loopback (inside the private network namespace)."""
+    """The mooncake_master the mooncake variant kills and restarts mid-run."""
 
     process: subprocess.Popen | None = None
     kills: int = 0
     restarts: int = 0
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={PORT}"]
-            + [f"--metrics_port={PORT + 1}"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.process = start_master(PORT)
 
     def kill(self) -> None:
         self.process.kill()
@@ -103,13 +98,8 @@ class Master:
         self.restarts += 1
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_master(self.process)
 
 
 def drive(
@@ -190,24 +180,14 @@ def make_store(kind: str, nbytes: int, size: SoakSize, seed: int, fault_rate: fl
 
         inner = HostStore(size.store_blocks * nbytes, nbytes)
     else:
-        from runtime.offload.mooncake_store import MooncakeStore
-        from runtime.offload.store import StoreError
-
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                inner = MooncakeStore(
-                    MASTER,
-                    nbytes,
-                    namespace="soak",
-                    segment_bytes=max(16 << 20, size.store_blocks * nbytes),
-                    buffer_bytes=max(16 << 20, 4 * nbytes),
-                )
-                break
-            except StoreError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)  # the fresh master is still coming up
+        inner = connect_store(
+            PORT,
+            nbytes,
+            namespace="soak",
+            segment_bytes=max(16 << 20, size.store_blocks * nbytes),
+            buffer_bytes=max(16 << 20, 4 * nbytes),
+            timeout_s=30,
+        )
     return FaultyStore(inner, read_fault_rate=fault_rate, write_fault_rate=fault_rate, seed=seed)
 
 
@@ -237,9 +217,7 @@ def run_soak(
 
     store = make_store(kind, nbytes, size, seed, fault_rate)
     engine = LLM(**engine_args(size), kv_offload=store).engine
-    warmup = make_workload(
-        SoakSize(**{**size.__dict__, "num_requests": WARMUP_REQUESTS}), vocab, seed + 1
-    )
+    warmup = make_workload(replace(size, num_requests=WARMUP_REQUESTS), vocab, seed + 1)
     drive(engine, warmup, seed + 1, abort_rate=abort_rate, progress=False)
     gc.collect()
     warm_cpu = time.process_time() - cpu_start - reference_cpu
@@ -338,7 +316,7 @@ def sigkill_in_creation_and_reclaim() -> int:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     try:
         assert child.stdout.readline() == "IN WINDOW\n"
@@ -392,7 +370,7 @@ def _mooncake(args) -> dict:
         command,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode not in (0, 1) or not lines:

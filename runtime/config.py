@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from model.config import DTYPES, ConfigError
 from runtime.offload.store import KVStore, check_store
 
-_DTYPES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
-_ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+# The accepted values, shared with the CLI's choices.
+DTYPE_CHOICES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 _OFFLOAD = (None, "host", "mooncake")
 
 
@@ -39,8 +40,8 @@ class EngineConfig:
     mooncake_master: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_seqs", self.max_num_seqs)
@@ -61,9 +62,9 @@ class EngineConfig:
             raise ConfigError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.attention_backend not in _ATTENTION_BACKENDS:
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
         if isinstance(self.kv_offload, str) or self.kv_offload is None:

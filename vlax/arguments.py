@@ -54,9 +54,8 @@ def checkpoint_dir(model: object) -> str:
 
 
 def per_prompt_params(sampling_params: object, num_prompts: int) -> list[SamplingParams]:
-    """vLLM's `sampling_params` argument (one SamplingParams, one per prompt, or None) as a list."""
-    if sampling_params is None:
-        sampling_params = SamplingParams()
+    """vLLM's `sampling_params` argument (one SamplingParams, or one per prompt) as a list. The
+    caller resolves None first: the defaults come from the checkpoint (`LLM.generate_iter`)."""
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if isinstance(sampling_params, Mapping):

@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from model.config import DTYPES
-from runtime.config import EngineConfig
+from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from runtime.core.request import SamplingParams
 from vlax import arguments, logs
 
@@ -69,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", *DTYPES),
+        choices=DTYPE_CHOICES,
         help="dtype of weights and activations; auto: the checkpoint's own",
     )
     g.add_argument(
@@ -95,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--attention-backend",
         default="auto",
-        choices=("auto", "pallas", "reference"),
+        choices=ATTENTION_BACKENDS,
         help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
     )
     g.add_argument(

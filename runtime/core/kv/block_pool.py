@@ -296,17 +296,7 @@ def touch(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     except BaseException:
         tx.abort()
         raise
-    return BlockPool(
-        pool.num_blocks,
-        pool.block_size,
-        pool.next_fresh,
-        head,
-        tail,
-        split,
-        num_free,
-        pool.num_cached,
-        tx.commit(),
-    )
+    return _relinked(pool, head, tail, split, num_free, tx.commit())
 
 
 def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
@@ -367,17 +357,7 @@ def release(pool: BlockPool, block_ids: Iterable[int]) -> BlockPool:
     except BaseException:
         tx.abort()
         raise
-    return BlockPool(
-        pool.num_blocks,
-        pool.block_size,
-        pool.next_fresh,
-        head,
-        tail,
-        split,
-        num_free,
-        pool.num_cached,
-        tx.commit(),
-    )
+    return _relinked(pool, head, tail, split, num_free, tx.commit())
 
 
 def set_block_hash(pool: BlockPool, block_id: int, block_hash: BlockHash) -> BlockPool:
@@ -419,6 +399,24 @@ def cache_blocks(
 
 
 # ---------------------------------------------------------------- internals
+
+
+def _relinked(
+    pool: BlockPool, head: int, tail: int, split: int, num_free: int, data: vs.Version
+) -> BlockPool:
+    """`pool` after a transition that moved blocks on or off the free list (`touch`, `release`):
+    the fresh range and the hash count are as they were. Positional: once per transition."""
+    return BlockPool(
+        pool.num_blocks,
+        pool.block_size,
+        pool.next_fresh,
+        head,
+        tail,
+        split,
+        num_free,
+        pool.num_cached,
+        data,
+    )
 
 
 def _check_hashes(block_hashes: Sequence[BlockHash]) -> None:
