@@ -12,11 +12,13 @@ reports no stop_reason; the others report their id, as vLLM's generation-config 
 comes first. Generation defaults follow vLLM's `get_diff_sampling_param`: generation_config.json's
 temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) make the
 default SamplingParams, used where the caller passes none; a caller's SamplingParams is used as
-it is (vLLM's `LLM.generate` does the same).
+it is (vLLM's `LLM.generate` does the same), except that its `bad_words` are tokenized here, once,
+into the `bad_words_token_ids` the sampler reads (vLLM's `update_from_tokenizer`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -72,6 +74,35 @@ def resolve_eos_token_ids(
     return tuple(dict.fromkeys(t for t in ids if 0 <= t < vocab))
 
 
+def bad_words_token_ids(
+    tokenizer: Tokenizer, words: tuple[str, ...], vocab_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """The token sequences vLLM bans for `words` (SamplingParams.update_from_tokenizer): each word,
+    its leading whitespace stripped, tokenized as it is and with a space before it (a word at the
+    start of the text and one in the middle are often different tokens). The spaced form is kept
+    only when its first token differs and it has as many tokens as the unspaced one. Raises
+    ValueError naming a word the tokenizer turns into no tokens or into ids outside the model's
+    vocabulary (a tokenizer may know more ids than the model has rows)."""
+    out = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words holds {word!r}, which the tokenizer turns into no tokens")
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        found = [plain]
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            found.append(spaced)
+        for ids in found:
+            outside = [t for t in ids if not 0 <= t < vocab_size]
+            if outside:
+                raise ValueError(
+                    f"bad_words holds {word!r}, which tokenizes to {list(ids)}: token id "
+                    f"{outside[0]}, outside the vocabulary [0, {vocab_size})"
+                )
+        out.extend(found)
+    return tuple(out)
+
+
 def default_sampling_params(model_config: ModelConfig) -> SamplingParams:
     """vLLM's defaults: SamplingParams() with generation_config.json's sampling values over it."""
     given = model_config.generation_defaults
@@ -98,6 +129,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = resolve_eos_token_ids(model_config, tokenizer)
         self.default_params = default_sampling_params(model_config)
+        # A batch usually shares one SamplingParams: tokenize its bad words once, and hand every
+        # request the same resolved object (the runner computes per-params constants once).
+        self._with_bad_words = functools.lru_cache(maxsize=256)(self._resolve_bad_words)
 
     def prompt_inputs(self, prompt: object) -> tuple[str | None, list[int]]:
         """(text, token ids) of a vLLM-style prompt: a str, or a dict with 'prompt_token_ids'
@@ -141,6 +175,11 @@ class InputProcessor:
             raise TypeError(f"{own}: priority must be an int, got {priority!r}")
         ids = self._prompt_ids(own, prompt_token_ids)
         self._check_params(own, params, len(ids))
+        if params.bad_words:
+            try:
+                params = self._with_bad_words(params)
+            except ValueError as err:
+                raise ValueError(f"{own}: {err}") from None
         children = []
         for i in range(params.n):
             child = params
@@ -190,6 +229,7 @@ class InputProcessor:
             )
         self._check_ids(own, "stop_token_ids holds token id", params.stop_token_ids)
         self._check_ids(own, "logit_bias holds token id", [t for t, _ in params.logit_bias or ()])
+        self._check_ids(own, "allowed_token_ids holds token id", params.allowed_token_ids or ())
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:
@@ -202,6 +242,19 @@ class InputProcessor:
                 f"{own}: stop={list(params.stop)} needs a tokenizer to detokenize the output, "
                 "and this checkpoint has none; stop on token ids with stop_token_ids"
             )
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(
+                f"{own}: bad_words={list(params.bad_words)} needs a tokenizer to turn the words "
+                "into token ids, and this checkpoint has none; restrict token ids with "
+                "allowed_token_ids or lower them with logit_bias"
+            )
+
+    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the token sequences of its bad words, each id checked."""
+        sequences = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
+        if sequences == params.bad_words_token_ids:
+            return params
+        return replace(params, bad_words_token_ids=sequences)
 
     def _check_ids(self, own: str, what: str, ids) -> None:
         vocab = self.vocab_size

@@ -70,6 +70,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, bias) pairs sorted by token id; a dict or Map is accepted and normalised.
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    # Only these ids can be sampled: every other logit is -inf before sampling (vLLM's allowed
+    # token ids, applied first, before bad words, min_tokens, logit_bias and penalties).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # Words never to generate (vLLM): each is tokenized, with and without a leading space, into
+    # token sequences, and a sequence's last token is banned whenever the output so far ends with
+    # the rest of it (a one-token word is always banned).
+    bad_words: tuple[str, ...] | None = None
+    # The token sequences of `bad_words`, set by the shell's input processor (vLLM's
+    # update_from_tokenizer), never by a caller: the sampler reads these, not the words.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     # Compute every prompt token even where the prefix cache holds it (the request still writes
     # its blocks to the cache). None: only when prompt logprobs are asked for, as in vLLM (a hit
     # would skip the positions whose logprobs must be returned). `Request` resolves it.
@@ -116,6 +126,16 @@ class SamplingParams:
                 raise _bad(own, name, value, "an int >= 0 (number of top logprobs) or None")
         if self.logit_bias is not None:
             set_(self, "logit_bias", _normalise_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _int_tuple(own, "allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                # vLLM refuses it too: an empty set leaves nothing to sample.
+                raise _bad(own, "allowed_token_ids", self.allowed_token_ids, "at least one id")
+            set_(self, "allowed_token_ids", allowed)
+        if self.bad_words is not None:
+            set_(self, "bad_words", _words(self.bad_words))
+        if self.bad_words_token_ids is not None:
+            set_(self, "bad_words_token_ids", _word_ids(self.bad_words_token_ids, self.bad_words))
         skip = self.skip_reading_prefix_cache
         if skip is not None and not isinstance(skip, bool):
             raise _bad(own, "skip_reading_prefix_cache", skip, "a bool or None")
@@ -149,6 +169,32 @@ def _normalise_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise _bad("SamplingParams", "logit_bias", value, expected + ", ids unique")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def _words(value: object) -> tuple[str, ...]:
+    expected = "a sequence of words (str), each with text other than whitespace"
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise _bad("SamplingParams", "bad_words", value, expected + " (one word: [word])")
+    words = tuple(value)
+    for word in words:
+        # vLLM strips a word's leading whitespace before tokenizing it: nothing may be left.
+        if not isinstance(word, str) or not word.strip():
+            raise _bad("SamplingParams", "bad_words", value, f"{expected} (bad item {word!r})")
+    return words
+
+
+def _word_ids(value: object, words: tuple[str, ...] | None) -> tuple[tuple[int, ...], ...]:
+    own = "SamplingParams"
+    if not words:
+        raise _bad(
+            own, "bad_words_token_ids", value, "None: the input processor sets it from bad_words"
+        )
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise _bad(own, "bad_words_token_ids", value, "a sequence of token id sequences")
+    out = tuple(_int_tuple(own, "bad_words_token_ids", seq) for seq in value)
+    if not all(out):
+        raise _bad(own, "bad_words_token_ids", value, "non-empty token id sequences")
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -251,7 +251,7 @@ class ModelRunner:
 
     @staticmethod
     def _sampling_row(row: RequestRow) -> SamplingRow:
-        # The row's own token list, not a copy: only penalties read it.
+        # The row's own token list, not a copy: only penalties and bad words read it.
         return SamplingRow(
             row.req_id, row.sampling_params, row.token_ids, row.prompt_len, row.eos_token_ids
         )

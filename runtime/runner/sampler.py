@@ -1,8 +1,9 @@
 """Jitted batched sampling in vLLM V1 order, with per-row parameters from `SamplingMetadata`.
 
-Order: raw logprobs (before any processing), f32, min-tokens mask, logit bias, penalties
-(repetition, frequency, presence); greedy rows take the argmax; the others apply temperature,
-min-p, top-k/top-p and sample by argmax(probs / q) with q ~ Exp(1) drawn from the row's own key.
+Order: raw logprobs (before any processing), f32, allowed token ids, bad words and min-tokens
+masks, logit bias, penalties (repetition, frequency, presence); greedy rows take the argmax; the
+others apply temperature, min-p, top-k/top-p and sample by argmax(probs / q) with q ~ Exp(1)
+drawn from the row's own key.
 """
 
 from __future__ import annotations
@@ -127,11 +128,24 @@ def _random_sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     return _argmax(probs / jnp.maximum(q, jnp.finfo(jnp.float32).tiny))
 
 
+def _apply_allowed(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
+    # Counted, not set: padding repeats id 0 with weight 0, and a scatter-set of duplicate ids
+    # keeps an arbitrary one of them.
+    rows = jnp.arange(metadata.num_rows)[:, None]
+    counts = (
+        jnp.zeros(logits.shape, jnp.float32)
+        .at[rows, metadata.allowed_ids]
+        .add(metadata.allowed_valid)
+    )
+    restricted = jnp.any(metadata.allowed_valid > 0, axis=-1, keepdims=True)
+    return jnp.where((counts > 0) | ~restricted, logits, -jnp.inf)
+
+
 def _processed(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
     rows = jnp.arange(metadata.num_rows)[:, None]
-    logits = logits.at[rows, metadata.stop_ids].min(
-        jnp.where(metadata.stop_active, -jnp.inf, jnp.inf)
-    )
+    if metadata.needs_allowed:
+        logits = _apply_allowed(logits, metadata)
+    logits = logits.at[rows, metadata.masked_ids].min(jnp.where(metadata.masked, -jnp.inf, jnp.inf))
     logits = logits.at[rows, metadata.bias_ids].add(metadata.bias_values)
     return _apply_penalties(logits, metadata) if metadata.needs_penalties else logits
 
@@ -146,8 +160,8 @@ def _check_shape(logits: jax.Array, metadata: SamplingMetadata) -> None:
 
 @jax.jit
 def process_logits(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:
-    """f32 logits after the min-tokens mask, logit bias and penalties (what greedy rows argmax;
-    vLLM's "processed_logits" before temperature)."""
+    """f32 logits after the allowed-ids, bad-words and min-tokens masks, logit bias and penalties
+    (what greedy rows argmax; vLLM's "processed_logits" before temperature)."""
     _check_shape(logits, metadata)
     return _processed(logits.astype(jnp.float32), metadata)
 

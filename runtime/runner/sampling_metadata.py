@@ -29,9 +29,10 @@ class SamplingRow:
     """What the sampler needs to know about one request this step.
 
     `params` is a `SamplingParams` (duck-typed on its vLLM field names). `token_ids` are the prompt
-    followed by the tokens generated so far (the runner's own list, not copied: only penalties read
-    it); the token being sampled now is output number `num_output_tokens`. `eos_token_ids` are the
-    request's EOS ids, held back with its stop ids while it is below min_tokens.
+    followed by the tokens generated so far (the runner's own list, not copied: only penalties and
+    bad words read it); the token being sampled now is output number `num_output_tokens`.
+    `eos_token_ids` are the request's EOS ids, held back with its stop ids while it is below
+    min_tokens.
     """
 
     request_id: str
@@ -78,8 +79,13 @@ class SamplingMetadata:
     prompt_valid: np.ndarray  # f32[R, P]
     output_ids: np.ndarray  # i32[R, O]
     output_valid: np.ndarray  # f32[R, O]
-    stop_ids: np.ndarray  # i32[R, S]: ids masked while the row is below min_tokens
-    stop_active: np.ndarray  # bool[R, S]
+    # Ids set to -inf this step: stop and EOS ids while the row is below min_tokens, and the last
+    # token of each bad word whose other tokens the output ends with.
+    masked_ids: np.ndarray  # i32[R, M]
+    masked: np.ndarray  # bool[R, M]
+    # allowed_token_ids: a row with any valid entry samples only among its valid entries.
+    allowed_ids: np.ndarray  # i32[R, A]
+    allowed_valid: np.ndarray  # f32[R, A]
     bias_ids: np.ndarray  # i32[R, B]
     bias_values: np.ndarray  # f32[R, B], 0 on padding
     vocab_size: int = field(metadata={"static": True})
@@ -87,6 +93,7 @@ class SamplingMetadata:
     needs_penalties: bool = field(metadata={"static": True})
     needs_top_k_top_p: bool = field(metadata={"static": True})
     needs_min_p: bool = field(metadata={"static": True})
+    needs_allowed: bool = field(metadata={"static": True})
 
     @property
     def num_rows(self) -> int:
@@ -125,6 +132,29 @@ def _bias_pairs(logit_bias: Any) -> tuple[tuple[int, float], ...]:
     return tuple((int(t), float(b)) for t, b in items)
 
 
+def _bad_word_bans(sequences: Sequence[tuple[int, ...]], row: SamplingRow) -> list[int]:
+    """vLLM's bad-words rule on one row: a sequence's last token is banned when the row's output
+    so far ends with the rest of the sequence (always, for a one-token sequence). Only output
+    tokens count, never the prompt."""
+    tokens = row.token_ids
+    end = len(tokens)
+    num_output = end - row.num_prompt_tokens
+    bans = []
+    for seq in sequences:
+        k = len(seq) - 1
+        if k == 0 or (k <= num_output and tuple(tokens[end - k : end]) == seq[:k]):
+            bans.append(seq[k])
+    return bans
+
+
+def _out_of_vocab(what: str, row: SamplingRow, token_id: int, vocab_size: int) -> RequestFailed:
+    return RequestFailed(
+        [row.request_id],
+        f"request {row.request_id!r}: {what} contains token id {token_id}, "
+        f"expected ids in [0, {vocab_size})",
+    )
+
+
 def _check_ids(
     what: str, rows: Sequence[SamplingRow], ids: np.ndarray, valid: np.ndarray, vocab_size: int
 ) -> None:
@@ -134,12 +164,18 @@ def _check_ids(
     bad = (valid > 0) & ((ids < 0) | (ids >= vocab_size))
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        request_id = rows[r].request_id
-        raise RequestFailed(
-            [request_id],
-            f"request {request_id!r}: {what} contains token id {int(ids[r, c])}, "
-            f"expected ids in [0, {vocab_size})",
-        )
+        raise _out_of_vocab(what, rows[r], int(ids[r, c]), vocab_size)
+
+
+def _check_lists(
+    what: str, rows: Sequence[SamplingRow], lists: Sequence[Sequence[int]], vocab_size: int
+) -> None:
+    """_check_ids on per-row id lists before padding (min / max run at C speed)."""
+    for row, ids in zip(rows, lists, strict=True):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise _out_of_vocab(
+                what, row, next(t for t in ids if not 0 <= t < vocab_size), vocab_size
+            )
 
 
 def _pad_rows(lists: list[Sequence[int]], num_rows: int, width: int) -> tuple[np.ndarray, ...]:
@@ -245,6 +281,11 @@ def make_sampling_metadata(
         for p, row in zip(params, rows, strict=True)
     ]
     biases = [_bias_pairs(p.logit_bias) for p in params]
+    bans = [
+        _bad_word_bans(p.bad_words_token_ids, row) if p.bad_words_token_ids else ()
+        for p, row in zip(params, rows, strict=True)
+    ]
+    allowed = [p.allowed_token_ids or () for p in params]
 
     needs_penalties = bool(
         np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
@@ -260,12 +301,23 @@ def make_sampling_metadata(
     output_ids, output_valid = _pad_rows(
         outputs, num_rows, _width(max(map(len, outputs), default=0))
     )
-    stop_ids, stop_valid = _pad_rows(stops, num_rows, _width(max(map(len, stops), default=0)))
+    for what, lists in (
+        ("stop_token_ids", stops),
+        ("bad_words_token_ids", bans),
+        ("allowed_token_ids", allowed),
+    ):
+        if any(lists):
+            _check_lists(what, rows, lists, vocab_size)
+    # Both are -inf masks, so one array carries them (vLLM applies bad words, then min_tokens).
+    masked = [(*s, *b) for s, b in zip(stops, bans, strict=True)]
+    masked_ids, masked_valid = _pad_rows(masked, num_rows, _width(max(map(len, masked), default=0)))
+    allowed_ids, allowed_valid = _pad_rows(
+        allowed, num_rows, _width(max(map(len, allowed), default=0))
+    )
     bias_ids, bias_valid = _pad_rows(
         [[t for t, _ in b] for b in biases], num_rows, _width(max(map(len, biases), default=0))
     )
     for what, lists, ids, valid in (
-        ("stop_token_ids", stops, stop_ids, stop_valid),
         ("logit_bias", biases, bias_ids, bias_valid),
         ("prompt_token_ids", prompts, prompt_ids, prompt_valid),
         ("output_token_ids", outputs, output_ids, output_valid),
@@ -285,8 +337,10 @@ def make_sampling_metadata(
         prompt_valid=prompt_valid,
         output_ids=output_ids,
         output_valid=output_valid,
-        stop_ids=stop_ids,
-        stop_active=stop_valid > 0,
+        masked_ids=masked_ids,
+        masked=masked_valid > 0,
+        allowed_ids=allowed_ids,
+        allowed_valid=allowed_valid,
         bias_ids=bias_ids,
         bias_values=bias_values,
         vocab_size=vocab_size,
@@ -294,4 +348,5 @@ def make_sampling_metadata(
         needs_penalties=needs_penalties,
         needs_top_k_top_p=bool(np.any((top_k < vocab_size) | (top_p < 1.0))),
         needs_min_p=bool(np.any(min_p > 0)),
+        needs_allowed=any(allowed),
     )

@@ -105,6 +105,19 @@ def test_n_fans_out_into_samples_with_their_own_seeds():
         ),
         (
             [5],
+            SamplingParams(allowed_token_ids=[4, 32]),
+            ValueError,
+            r"allowed_token_ids holds token id 32, outside the vocabulary \[0, 32\)",
+        ),
+        (
+            [5],
+            SamplingParams(bad_words=["x"]),
+            ValueError,
+            r"bad_words=\['x'\] needs a tokenizer to turn the words into token ids, and this "
+            "checkpoint has none",
+        ),
+        (
+            [5],
             SamplingParams(logprobs=33),
             ValueError,
             r"logprobs=33 asks for more top tokens than the vocabulary has \(32\)",
@@ -140,6 +153,7 @@ def test_limits_that_are_just_inside_are_accepted():
             logit_bias={31: 1.0},
             logprobs=32,
             prompt_logprobs=32,
+            allowed_token_ids=[0, 31],
         ),
     )
     assert done.children[0].prompt_token_ids == (31,) * 15
@@ -155,3 +169,36 @@ def test_prompt_inputs(tok):
         p.prompt_inputs(3.5)
     with pytest.raises(ValueError, match="this checkpoint has no tokenizer"):
         processor().prompt_inputs("Hello")
+
+
+def test_bad_words_are_tokenized_once_as_vllm_does(tok):
+    p = processor(tok, vocab_size=tok.vocab_size)
+
+    def encode(text):
+        return tuple(tok.encode(text, add_special_tokens=False))
+
+    # vLLM's update_from_tokenizer: the word without its leading space, then the word after a
+    # space, kept only when that starts with another token and is as long.
+    assert encode("of") != encode(" of") and len(encode(" of")) == 1
+    assert len(encode("the")) == 2 and len(encode(" the")) == 1
+    assert encode("cat")[0] != encode(" cat")[0] and len(encode("cat")) == len(encode(" cat"))
+    params = SamplingParams(bad_words=["of", " the", "cat"], n=2)
+    done = p.process("r", [5], params)
+    want = (encode("of"), encode(" of"), encode("the"), encode("cat"), encode(" cat"))
+    assert done.params.bad_words_token_ids == want
+    assert [c.sampling_params.bad_words_token_ids for c in done.children] == [want] * 2
+    # Equal params share one resolved object (the runner computes per-params values once).
+    again = p.process("s", [6], SamplingParams(bad_words=["of", " the", "cat"], n=2))
+    assert again.params is done.params
+    assert p.process("t", [5], SamplingParams()).params.bad_words_token_ids is None
+
+
+def test_bad_words_outside_the_model_vocabulary_are_refused_by_name(tok):
+    # The tokenizer knows more ids than this 32-row model has.
+    ids = list(tok.encode("zebra", add_special_tokens=False))
+    with pytest.raises(
+        ValueError,
+        match=rf"request 'r': bad_words holds 'zebra', which tokenizes to \{ids}: token id "
+        rf"{ids[0]}, outside the vocabulary \[0, 32\)",
+    ):
+        processor(tok).process("r", [5], SamplingParams(bad_words=["zebra"]))

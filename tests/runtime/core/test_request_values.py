@@ -39,6 +39,13 @@ def test_sampling_params_normalises_sequences():
     assert SamplingParams(logit_bias=Map({1: 2.0})).logit_bias == ((1, 2.0),)
     assert SamplingParams(logit_bias=[(1, 2.0)]).logit_bias == ((1, 2.0),)
     hash(sp)  # usable as a value
+    sp = SamplingParams(allowed_token_ids=[5, 3], bad_words=["a b", "c"])
+    assert sp.allowed_token_ids == (5, 3) and sp.bad_words == ("a b", "c")
+    assert sp.bad_words_token_ids is None  # the input processor tokenizes the words
+    sp = dataclasses.replace(sp, bad_words_token_ids=[[1, 2], [3]])
+    assert sp.bad_words_token_ids == ((1, 2), (3,))
+    assert SamplingParams(bad_words=[]).bad_words == ()
+    hash(sp)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +76,16 @@ def test_sampling_params_normalises_sequences():
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: float("inf")}}, "logit_bias"),
         ({"logit_bias": [(1, 1.0), (1, 2.0)]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, 1.0]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 3}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": ["ok", " \n"]}, "bad_words"),
+        ({"bad_words": ["ok", 3]}, "bad_words"),
+        ({"bad_words_token_ids": [[1]]}, "bad_words_token_ids"),
+        ({"bad_words": ["a"], "bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+        ({"bad_words": ["a"], "bad_words_token_ids": [[-1]]}, "bad_words_token_ids"),
     ],
 )
 def test_sampling_params_rejects_bad_values_naming_the_field(kwargs, field):
