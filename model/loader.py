@@ -23,6 +23,7 @@ from safetensors import safe_open
 from model import registry
 from model.base import ModelOptions
 from model.config import ModelConfig
+from model.weight_spec import WeightSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -128,6 +129,20 @@ def check_tensors(model_cls: type, config: ModelConfig, tensors: dict[str, Tenso
         )
 
 
+def _join(spec: WeightSpec, parts: list[np.ndarray]) -> np.ndarray:
+    if spec.transpose:
+        parts = [a.T for a in parts]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+
+def _assemble(spec: WeightSpec, reader: _Reader, dtype: np.dtype) -> np.ndarray:
+    parts = [reader.get(name).astype(dtype) for name, _ in spec.sources]
+    if not spec.stacked:
+        return _join(spec, parts)
+    run = len(parts) // spec.stacked
+    return np.stack([_join(spec, parts[i : i + run]) for i in range(0, len(parts), run)])
+
+
 def load_model(
     path: str | os.PathLike, model_config: ModelConfig, options: ModelOptions | None = None
 ):
@@ -146,15 +161,13 @@ def load_model(
             f"{cls.__name__} weight specs and parameters disagree: "
             f"{sorted(map(str, set(specs) ^ set(flat)))}"
         )
-    dtype = np.dtype(model_config.jnp_dtype)
     loaded = []
     with contextlib.ExitStack() as stack:
         reader = _Reader(tensors, stack)
         for p, var in flat.items():
-            parts = [reader.get(name).astype(dtype) for name, _ in specs[p].sources]
-            if specs[p].transpose:
-                parts = [a.T for a in parts]
-            arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+            # Each parameter in the dtype its module declares (config.dtype, except where a
+            # module keeps a part in float32, like the DeepSeek MoE router).
+            arr = _assemble(specs[p], reader, np.dtype(var.dtype))
             if arr.shape != var.shape:
                 raise RuntimeError(f"assembled {p} has shape {arr.shape}, expected {var.shape}")
             loaded.append((p, var.replace(jnp.asarray(arr))))

@@ -12,3 +12,13 @@ class WeightSpec:
     # HF stores linear weights [out, in]; our kernels are [in, out]. Several sources are joined
     # along the output axis (fused q/k/v and gate/up projections).
     transpose: bool = False
+    # When > 0, the sources are this many equal consecutive runs, each joined as above into one
+    # entry of a new leading axis: MoE experts, stored one tensor per expert on disk, kept stacked.
+    stacked: int = 0
+
+    def __post_init__(self):
+        if self.stacked < 0 or (self.stacked and len(self.sources) % self.stacked):
+            raise ValueError(
+                f"WeightSpec {self.path}: {len(self.sources)} sources cannot be stacked "
+                f"{self.stacked} ways"
+            )
