@@ -291,7 +291,8 @@ def _sliding_windows(hf: dict, num_layers: int, path: str) -> tuple[int | None, 
         )
     out = []
     for i, t in enumerate(layer_types):
-        if t == "full_attention":
+        # DeepSeek-V3.2's DSA layers attend over the whole context (through an indexer's top-k).
+        if t in ("full_attention", "indexed_attention"):
             out.append(None)
         elif t == "sliding_attention":
             if not isinstance(window, int) or window <= 0:
@@ -301,7 +302,8 @@ def _sliding_windows(hf: dict, num_layers: int, path: str) -> tuple[int | None, 
             out.append(window)
         else:
             raise ConfigError(
-                f"{path}: layer_types[{i}] = {t!r}; expected 'full_attention' or 'sliding_attention'"
+                f"{path}: layer_types[{i}] = {t!r}; expected 'full_attention', "
+                "'sliding_attention' or 'indexed_attention'"
             )
     return tuple(out)
 
