@@ -1,9 +1,14 @@
 """Copies of whole KV blocks between the device KV cache and host bytes.
 
-The KV cache is a tuple of (k, v) per layer, each [num_blocks, block_size, Hkv, D]. A block's
-bytes are its slice of every layer's k then v, in layer order, concatenated: one row of
-`block_nbytes(kv_cache)` uint8 per block. Block-id batches are padded to a power of two (by
-repeating the last id, which rewrites the same value) so the number of compilations stays small.
+The KV cache is the model's flat cache value (model/base.py): one entry per layer of each cache
+spec, in spec order, each a tuple of that layer's arrays [num_blocks, *page_shape]. Pools differ in
+page shape and dtype (K/V [bs, Hkv, D], an MLA latent [bs, 1, 576], indexer keys [bs, 1, 128]); all
+share the block axis. A block's bytes are its slice of every array of every pool, in that order,
+concatenated: one row of `block_nbytes(kv_cache)` uint8 per block (the sum of the specs'
+`bytes_per_block`), so a stored or loaded block moves every pool at once.
+
+Block-id batches are padded to a power of two (by repeating the last id, which rewrites the same
+value) so the number of compilations stays small.
 """
 
 import functools

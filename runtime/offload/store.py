@@ -10,7 +10,7 @@ Keys are block hashes (`runtime.core.kv.block_pool.BlockHash`, 32 bytes): each c
 hash, so a key names a block's content together with its whole prefix, and two engines that
 compute the same prefix agree on the keys. Keys do not name the model: a store shared by engines of
 different models (or KV dtypes, or block sizes) must keep them apart itself (MooncakeStore's
-`namespace`). Values are one block's bytes, every layer's k and v slice of it (device_copy.py),
+`namespace`). Values are one block's bytes, its slice of every array of every cache pool (device_copy.py),
 exactly `block_nbytes` of them.
 """
 
