@@ -111,6 +111,7 @@ def from_hf_dict(
     hf: dict, gen: dict | None = None, *, path: str = "", dtype: str = "auto", runner: str = "auto"
 ) -> ModelConfig:
     gen = gen or {}
+    _refuse_unserved(hf, path)
     arch = _architecture(hf, path)
     num_heads = _positive_int(hf, "num_attention_heads", path)
     hidden = _positive_int(hf, "hidden_size", path)
@@ -183,6 +184,37 @@ def _read_json(file: str, *, required: bool) -> dict | None:
     if not isinstance(data, dict):
         raise ConfigError(f"{file} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+# Checkpoints that look close to a served family but are not served: refused by name before the
+# architecture lookup, so the error says what is missing rather than "unsupported architecture".
+_UNSERVED_MODEL_TYPES = {
+    "deepseek_v4": "DeepSeek-V4 is not served (vlax serves DeepSeek-V3 'deepseek_v3' and "
+    "DeepSeek-V3.2 'deepseek_v32')",
+}
+_UNSERVED_ARCHITECTURES = {"DeepseekV4ForCausalLM": _UNSERVED_MODEL_TYPES["deepseek_v4"]}
+
+
+def _refuse_unserved(hf: dict, path: str) -> None:
+    model_type = hf.get("model_type")
+    if model_type in _UNSERVED_MODEL_TYPES:
+        raise ConfigError(
+            f"{path}: config field 'model_type' = {model_type!r}: {_UNSERVED_MODEL_TYPES[model_type]}"
+        )
+    for name in hf.get("architectures") or []:
+        if name in _UNSERVED_ARCHITECTURES:
+            raise ConfigError(
+                f"{path}: config field 'architectures' names {name!r}: {_UNSERVED_ARCHITECTURES[name]}"
+            )
+    quant = hf.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        what = "FP8 weights have" if str(method).lower().startswith("fp8") else "it has"
+        raise ConfigError(
+            f"{path}: config field 'quantization_config.quant_method' = {method!r}: quantized "
+            f"checkpoints are not served ({what} no dequantization path in vlax); use a checkpoint "
+            "with float32, bfloat16 or float16 weights"
+        )
 
 
 def _positive_int(hf: dict, key: str, path: str) -> int:

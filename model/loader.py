@@ -22,12 +22,13 @@ from safetensors import safe_open
 
 from model import registry
 from model.base import ModelOptions
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.weight_spec import WeightSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _NON_NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16}
+_SERVED_FLOAT_DTYPES = ("F16", "F32", "F64")  # safetensors tags starting with F; BF16 is served too
 
 
 class LoadError(ValueError):
@@ -129,6 +130,24 @@ def check_tensors(model_cls: type, config: ModelConfig, tensors: dict[str, Tenso
         )
 
 
+def check_float_dtypes(config: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    """Refuse low-precision float tensors (FP8 "F8_E4M3", ...) before anything else: their scales
+    would otherwise be reported as unexpected tensors, and vlax has no dequantization path."""
+    low = sorted(
+        (n, t.dtype)
+        for n, t in tensors.items()
+        if t.dtype.startswith("F") and t.dtype not in _SERVED_FLOAT_DTYPES
+    )
+    if low:
+        shown = ", ".join(f"{n} ({d})" for n, d in low[:3])
+        raise ConfigError(
+            f"checkpoint {config.path!r}: {len(low)} tensors are stored as "
+            f"{', '.join(sorted({d for _, d in low}))}, e.g. {shown}: FP8 (and other "
+            "low-precision float) weights have no dequantization path in vlax; use a checkpoint "
+            "with F32, BF16 or F16 weights"
+        )
+
+
 def _join(spec: WeightSpec, parts: list[np.ndarray]) -> np.ndarray:
     if spec.transpose:
         parts = [a.T for a in parts]
@@ -151,6 +170,7 @@ def load_model(
     path = os.fspath(path)
     cls = registry.model_class(model_config.architecture)
     tensors = list_tensors(path)
+    check_float_dtypes(model_config, tensors)
     check_tensors(cls, model_config, tensors)
     options = ModelOptions() if options is None else options
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(model_config, options)))

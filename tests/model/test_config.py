@@ -149,3 +149,22 @@ def test_sliding_windows_per_layer():
         cfg(layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ConfigError, match="sliding_window=None"):
         cfg(layer_types=["full_attention", "sliding_attention"])
+
+
+def test_unserved_deepseek_v4_and_quantized_checkpoints_name_the_field():
+    with pytest.raises(
+        ConfigError, match=r"'model_type' = 'deepseek_v4': DeepSeek-V4 is not served"
+    ):
+        cfg(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v4")
+    with pytest.raises(
+        ConfigError, match=r"'architectures' names 'DeepseekV4ForCausalLM': DeepSeek-V4 is not"
+    ):
+        cfg(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v3")
+    # DeepSeek-V3's released config.json carries this block.
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+    with pytest.raises(ConfigError) as e:
+        cfg(quantization_config=fp8)
+    assert "'quantization_config.quant_method' = 'fp8'" in str(e.value)
+    assert "FP8 weights have no dequantization path" in str(e.value)
+    with pytest.raises(ConfigError, match=r"quant_method' = 'awq': quantized checkpoints"):
+        cfg(quantization_config={"quant_method": "awq", "bits": 4})

@@ -12,7 +12,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from model import base
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.loader import LoadError, load_model
 from model.testing import write_tiny_checkpoint
 
@@ -142,3 +142,25 @@ def test_bfloat16_tensors_load_exactly(tmp_path):
         assert bias.dtype == np_dtype
         q_bias = want["model.layers.0.self_attn.q_proj.bias"].to(torch.float32).numpy()
         np.testing.assert_array_equal(bias[: q_bias.shape[0]].astype(np.float32), q_bias)
+
+
+def test_fp8_tensors_are_refused_naming_them(ckpt, tmp_path):
+    """An FP8 checkpoint (DeepSeek-V3's release: F8_E4M3 weights beside weight_scale_inv scales)
+    is refused by its tensors' dtype, not reported as a list of unexpected scale tensors."""
+    import torch
+    from safetensors.torch import load_file as torch_load
+    from safetensors.torch import save_file as torch_save
+
+    tensors = torch_load(f"{ckpt}/model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = torch.ones(1, 1)
+    dst = tmp_path / "fp8"
+    dst.mkdir()
+    shutil.copy(f"{ckpt}/config.json", dst / "config.json")
+    torch_save(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ConfigError) as e:
+        _load(str(dst))
+    message = str(e.value)
+    assert f"1 tensors are stored as F8_E4M3, e.g. {name} (F8_E4M3)" in message
+    assert "no dequantization path" in message and "unexpected" not in message
