@@ -22,6 +22,9 @@ _BUILT_IN = (
     ArchitectureEntry("LlamaForCausalLM", "model.llama:LlamaForCausalLM", ("generate",)),
     ArchitectureEntry("Qwen2ForCausalLM", "model.llama:Qwen2ForCausalLM", ("generate",)),
     ArchitectureEntry("Qwen3ForCausalLM", "model.llama:Qwen3ForCausalLM", ("generate",)),
+    ArchitectureEntry(
+        "DeepseekV3ForCausalLM", "model.deepseek:DeepseekV3ForCausalLM", ("generate",)
+    ),
 )
 _REGISTRY = {e.name: e for e in _BUILT_IN}
 _RUNNER_TYPES = ("generate", "pooling")

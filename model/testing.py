@@ -30,10 +30,29 @@ TINY_COMMON = dict(
     eos_token_id=2,
     initializer_range=0.1,
 )
+# MLA + MoE on top of TINY_COMMON (shared/reference/environment.md §2). initializer_range 0.3: with
+# random weights DeepSeek's logits are otherwise close to flat and greedy choices near-ties.
+DEEPSEEK_TINY = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    initializer_range=0.3,
+)
 _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_TINY),
 }
 
 
@@ -45,7 +64,8 @@ def write_tiny_checkpoint(
     dtype: str = "float32",
     **overrides,
 ) -> str:
-    """Save a random-weight HF model of `arch` ("llama" | "qwen2" | "qwen3") as safetensors."""
+    """Save a random-weight HF model of `arch` ("llama" | "qwen2" | "qwen3" | "deepseek_v3") as
+    safetensors."""
     import torch
     import transformers
 
@@ -56,6 +76,7 @@ def write_tiny_checkpoint(
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
     randomize_constant_parameters(model, seed)
+    randomize_routing_biases(model, seed)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(os.fspath(directory), safe_serialization=True)
     return os.fspath(directory)
@@ -84,6 +105,23 @@ def randomize_constant_parameters(model, seed: int) -> list[str]:
             value = 0.5 + noise if "norm" in name else 0.2 * (noise - 0.5)
             param.copy_(value.to(param.dtype))
             changed.append(name)
+    return changed
+
+
+def randomize_routing_biases(model, seed: int) -> list[str]:
+    """Give DeepSeek's `e_score_correction_bias` buffers (zeros at init, and not parameters)
+    values in [-0.1, 0.1), in place, so a router that ignores or misapplies them routes differently;
+    returns their names."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 104729)
+    changed = []
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                noise = torch.rand(buf.shape, generator=generator, dtype=torch.float32)
+                buf.copy_((0.2 * (noise - 0.5)).to(buf.dtype))
+                changed.append(name)
     return changed
 
 

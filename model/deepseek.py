@@ -1,0 +1,243 @@
+"""DeepSeek-V3: MLA attention (model/layers/mla.py) and DeepSeekMoE (model/layers/moe.py).
+
+Implements the model protocol of model/base.py. The cache is one paged "MLA latent" pool: per layer
+and token one row of kv_lora_rank + qk_rope_head_dim values. Layers below `first_k_dense_replace`
+use a dense SwiGLU MLP, the rest the routed-expert MoE, as HF's DeepseekV3DecoderLayer does.
+
+DeepSeek-V3.2 (model/deepseek_v32.py) subclasses these classes; the places it changes are methods:
+`DeepseekV3ForCausalLM.choose_backends`, `.make_attention`, `.cache_specs` and
+`.attention_weight_specs`, and `DeepseekDecoderLayer.attend` (one layer's attention over its
+cache entries, one entry per cache spec).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from model.base import ModelOptions, PagedCacheSpec
+from model.batch import ModelBatch
+from model.config import ModelConfig
+from model.layers.embeddings import Embedding, lm_logits
+from model.layers.mla import MLAShape, MLAttention, choose_backend, mla_rope
+from model.layers.mlp import GatedMLP
+from model.layers.norms import RMSNorm
+from model.layers.rotary import rotary_cos_sin
+from model.weight_spec import WeightSpec
+
+# HF's DeepseekV3Config default, for checkpoints whose config.json leaves the key out.
+_FIRST_K_DENSE_DEFAULT = 3
+
+
+def first_k_dense(config: ModelConfig) -> int:
+    k = config.hf_config.get("first_k_dense_replace", _FIRST_K_DENSE_DEFAULT)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"{config.path}: first_k_dense_replace must be an int >= 0, got {k!r}")
+    return k
+
+
+def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
+    return layer_idx >= first_k_dense(config)
+
+
+class DeepseekDecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attention: nnx.Module):
+        dt = cfg.jnp_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        if is_moe_layer(cfg, layer_idx):
+            from model.layers.moe import DeepseekMoE  # only MoE checkpoints need it
+
+            self.mlp = DeepseekMoE(cfg, dt)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dt)
+
+    def attend(self, h, cos, sin, caches: tuple, batch: ModelBatch):
+        """(attention output [T, hidden], caches): `caches` holds this layer's entry of every
+        cache spec, in spec order; V3 has one, the MLA latent."""
+        (latent,) = caches
+        out, latent = self.self_attn(h, cos, sin, latent, batch)
+        return out, (latent,)
+
+    def __call__(self, x, cos, sin, caches: tuple, batch: ModelBatch):
+        h, caches = self.attend(self.input_layernorm(x), cos, sin, caches, batch)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), caches
+
+
+class DeepseekModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[DeepseekDecoderLayer]):
+        dt = cfg.jnp_dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
+        self.layers = nnx.List(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    decoder_layer = DeepseekDecoderLayer  # V3.2's layer attends over two cache entries
+
+    def __init__(self, config: ModelConfig, options: ModelOptions = ModelOptions()):  # noqa: B008
+        self.config = config
+        self.rope = mla_rope(config)
+        self.backends = self.choose_backends(config, options)
+        self.num_pools = len(type(self).cache_specs(config, options))
+        layers = [
+            type(self).decoder_layer(config, i, self.make_attention(config, i))
+            for i in range(config.num_hidden_layers)
+        ]
+        self.model = DeepseekModel(config, layers)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Embedding(config.vocab_size, config.hidden_size, config.jnp_dtype)
+        )
+
+    # What V3.2 overrides.
+
+    @classmethod
+    def choose_backends(cls, config: ModelConfig, options: ModelOptions) -> tuple:
+        """The kernel choices (pallas_kernels.backends.Choice), made once here and logged."""
+        return (
+            choose_backend(
+                config,
+                cache_dtype=options.resolve_cache_dtype(config),
+                block_size=options.block_size,
+                impl=options.attention_backend,
+            ),
+        )
+
+    def make_attention(self, config: ModelConfig, layer_idx: int) -> nnx.Module:
+        return MLAttention(config, layer_idx, config.jnp_dtype, backend=self.backends[0])
+
+    @classmethod
+    def cache_specs(cls, config: ModelConfig, options: ModelOptions) -> tuple[PagedCacheSpec, ...]:
+        shape = MLAShape.from_config(config)
+        return (
+            PagedCacheSpec(
+                "MLA latent",
+                config.num_hidden_layers,
+                ("latent",),
+                (options.block_size, 1, shape.latent_dim),
+                options.resolve_cache_dtype(config),
+            ),
+        )
+
+    # The protocol.
+
+    def __call__(self, caches: tuple, batch: ModelBatch):
+        layers = self.model.layers
+        n = len(layers)
+        if len(caches) != n * self.num_pools:
+            raise ValueError(
+                f"got {len(caches)} cache entries for {n} layers x {self.num_pools} cache specs"
+            )
+        x = self.model.embed_tokens(batch.token_ids)
+        cos, sin = rotary_cos_sin(batch.positions, self.rope, x.dtype)
+        new = []
+        for i, layer in enumerate(layers):
+            # Spec order: spec 0's layers, then spec 1's (model/base.py).
+            x, entries = layer(
+                x, cos, sin, tuple(caches[p * n + i] for p in range(self.num_pools)), batch
+            )
+            new.append(entries)
+        return tuple(new[i][p] for p in range(self.num_pools) for i in range(n)), self.model.norm(x)
+
+    def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_logits(hidden_rows, head.weight[...])
+
+    @classmethod
+    def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
+        h = c.hidden_size
+        specs = [
+            WeightSpec(
+                ("model", "embed_tokens", "weight"),
+                (("model.embed_tokens.weight", (c.vocab_size, h)),),
+            )
+        ]
+        for i in range(c.num_hidden_layers):
+            hf, ours = f"model.layers.{i}.", ("model", "layers", i)
+            specs += cls.attention_weight_specs(c, i)
+            specs += cls.mlp_weight_specs(c, i)
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                specs.append(WeightSpec((*ours, n, "weight"), ((f"{hf}{n}.weight", (h,)),)))
+        specs.append(WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (h,)),)))
+        if not c.tie_word_embeddings:
+            specs.append(
+                WeightSpec(("lm_head", "weight"), (("lm_head.weight", (c.vocab_size, h)),))
+            )
+        return tuple(specs)
+
+    @classmethod
+    def attention_weight_specs(cls, c: ModelConfig, layer_idx: int) -> list[WeightSpec]:
+        s = MLAShape.from_config(c)
+        h, nh = c.hidden_size, s.num_heads
+        hf = f"model.layers.{layer_idx}.self_attn."
+        ours = ("model", "layers", layer_idx, "self_attn")
+
+        def linear(name, out_features, in_features, bias=False):
+            out = [
+                WeightSpec(
+                    (*ours, name, "kernel"),
+                    ((f"{hf}{name}.weight", (out_features, in_features)),),
+                    True,
+                )
+            ]
+            if bias:
+                out.append(
+                    WeightSpec((*ours, name, "bias"), ((f"{hf}{name}.bias", (out_features,)),))
+                )
+            return out
+
+        def norm(name, dim):
+            return [WeightSpec((*ours, name, "weight"), ((f"{hf}{name}.weight", (dim,)),))]
+
+        specs = []
+        if s.q_lora_rank is None:
+            specs += linear("q_proj", nh * s.qk_head_dim, h)
+        else:
+            specs += linear("q_a_proj", s.q_lora_rank, h, s.attention_bias)
+            specs += norm("q_a_layernorm", s.q_lora_rank)
+            specs += linear("q_b_proj", nh * s.qk_head_dim, s.q_lora_rank)
+        specs += linear("kv_a_proj_with_mqa", s.latent_dim, h, s.attention_bias)
+        specs += norm("kv_a_layernorm", s.kv_lora_rank)
+        specs += linear("kv_b_proj", nh * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
+        specs += linear("o_proj", h, nh * s.v_head_dim, s.attention_bias)
+        return specs
+
+    @classmethod
+    def mlp_weight_specs(cls, c: ModelConfig, layer_idx: int) -> list[WeightSpec]:
+        hf, ours = f"model.layers.{layer_idx}.mlp", ("model", "layers", layer_idx, "mlp")
+        if is_moe_layer(c, layer_idx):
+            from model.layers.moe import moe_weight_specs
+
+            return list(moe_weight_specs(ours, hf, c))
+        h, inter = c.hidden_size, c.intermediate_size
+        return [
+            WeightSpec(
+                (*ours, "gate_up_proj", "kernel"),
+                ((f"{hf}.gate_proj.weight", (inter, h)), (f"{hf}.up_proj.weight", (inter, h))),
+                True,
+            ),
+            WeightSpec(
+                (*ours, "down_proj", "kernel"), ((f"{hf}.down_proj.weight", (h, inter)),), True
+            ),
+        ]
+
+    @staticmethod
+    def hf_ignored_weight(name: str, c: ModelConfig) -> bool:
+        """Legitimately unused on-disk tensors: rotary buffers, a duplicate tied head, and the
+        multi-token-prediction layers DeepSeek checkpoints store after the last decoder layer
+        (model.layers.{num_hidden_layers}...), which plain decoding does not run."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        if c.tie_word_embeddings and name == "lm_head.weight":
+            return True
+        parts = name.split(".")
+        return (
+            len(parts) > 2
+            and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and int(parts[2]) >= c.num_hidden_layers
+        )
