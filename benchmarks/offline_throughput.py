@@ -1,12 +1,18 @@
 """Offline batch throughput: vlax `LLM.generate` vs HF transformers `generate` on the same checkpoint.
 
-    python -m benchmarks.offline_throughput [--json] [--dtypes float32,bfloat16] [--requests 64]
+    python -m benchmarks.offline_throughput [--json] [--family llama|deepseek_v32]
+        [--dtypes float32,bfloat16] [--requests 64]
 
-A ~50M-parameter Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 32000, random weights) and a
-seeded workload: prompt lengths uniform in 32-512, output lengths uniform in 16-256, greedy, ignore_eos.
-vlax takes all requests at once; HF runs `generate` on left-padded batches of 16 (the way users batch
-with it), each batch until its longest request is done, and is credited only the tokens asked for.
-Each side runs once as a warm-up (compilation, allocator) and is then timed.
+`--family llama` (the default): a ~50M-parameter Llama (hidden 512, 8 layers, 8 heads, 2 KV heads,
+vocab 32000, random weights), float32 and bfloat16. `--family deepseek_v32`: a ~55M-parameter
+DeepSeek-V3.2 of the same hidden size, depth and vocab (MLA with q_lora_rank 256, kv_lora_rank 128;
+8 routed experts top-2 and one shared expert; DSA indexer with index_topk 256, so contexts past 256
+tokens attend sparsely), float32 by default. Both run a seeded workload: prompt lengths uniform in
+32-512, output lengths uniform in 16-256, greedy, ignore_eos. vlax takes all requests at once; HF runs
+`generate` on left-padded batches of 16 (the way users batch with it), each batch until its longest
+request is done, and is credited only the tokens asked for. Each side runs once as a warm-up
+(compilation, allocator) and is then timed. The JSON also gives the KV cache bytes per token of the
+model run, pool by pool, next to the Llama model's (same hidden size), in the cache dtype vlax used.
 """
 
 from __future__ import annotations
@@ -35,7 +41,51 @@ CONFIG = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# DeepSeek-V3.2 with the Llama's hidden size, depth and vocab (so the embeddings weigh the same);
+# 54.6M parameters (the Llama: 55.3M), 46.3M of them active per token (2 of 8 experts).
+DEEPSEEK_V32_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,  # the dense MLP of the first layer
+    moe_intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    first_k_dense_replace=1,
+    index_topk=256,
+    index_head_dim=64,
+    index_n_heads=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# family -> (transformers config class, model class, config, dtypes run by default)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", CONFIG, "float32,bfloat16"),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        DEEPSEEK_V32_CONFIG,
+        "float32",
+    ),
+}
 HF_BATCH = 16
+BLOCK_SIZE = 16
 
 
 def workload(num_requests: int, seed: int = 0):
@@ -48,14 +98,48 @@ def workload(num_requests: int, seed: int = 0):
     return prompts, out_lens
 
 
-def write_checkpoint(path: str, dtype: str) -> None:
+def hf_config(family: str = "llama"):
+    """The transformers config of the family's benchmark model."""
+    import transformers
+
+    config_class, _, config, _ = FAMILIES[family]
+    return getattr(transformers, config_class)(**config)
+
+
+def hf_model(family: str = "llama"):
+    """The family's benchmark model with random weights (seeded)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**CONFIG)
-    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    return getattr(transformers, FAMILIES[family][1])(hf_config(family))
+
+
+def write_checkpoint(path: str, dtype: str, family: str = "llama") -> int:
+    """Save the family's model as safetensors; returns its parameter count."""
+    import torch
+
+    model = hf_model(family).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+def kv_bytes_per_token(family: str, cache_dtype: str) -> dict:
+    """KV cache bytes per token of the family's benchmark model, in total and pool by pool, from the
+    cache specs vlax allocates (no weights needed)."""
+    from model import base, registry
+    from model.base import ModelOptions
+    from model.config import from_hf_dict
+
+    _, model_class, _, _ = FAMILIES[family]
+    hf = {**hf_config(family).to_dict(), "architectures": [model_class]}
+    config = from_hf_dict(hf, dtype=cache_dtype)
+    options = ModelOptions(block_size=BLOCK_SIZE, cache_dtype=cache_dtype)
+    specs = registry.model_class(config.architecture).cache_specs(config, options)
+    return {
+        "total": base.bytes_per_block(specs) // BLOCK_SIZE,
+        "pools": {s.name: s.bytes_per_block // BLOCK_SIZE for s in specs},
+    }
 
 
 def num_params(cfg=CONFIG) -> tuple[int, int]:
@@ -103,7 +187,7 @@ def run_vlax(path, prompts, out_lens, dtype):
         max_model_len=1024,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
-        block_size=16,
+        block_size=BLOCK_SIZE,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in out_lens]
     batch = [{"prompt_token_ids": p} for p in prompts]
@@ -123,6 +207,7 @@ def run_vlax(path, prompts, out_lens, dtype):
         name: getattr(after, name) - getattr(before, name)
         for name in ("steps", "prefill_tokens", "decode_tokens")
     }
+    counts["cache_dtype"] = llm.engine.runner.kv_dtype
     return elapsed, counts
 
 
@@ -164,16 +249,16 @@ def run_hf(path, prompts, out_lens, dtype):
     return time.perf_counter() - t0
 
 
-def measure(dtype: str, num_requests: int, tmp: str) -> dict:
-    path = os.path.join(tmp, dtype)
-    write_checkpoint(path, dtype)
+def measure(dtype: str, num_requests: int, tmp: str, family: str = "llama") -> dict:
+    path = os.path.join(tmp, f"{family}-{dtype}")
+    params = write_checkpoint(path, dtype, family)
     prompts, out_lens = workload(num_requests)
     out_tokens = sum(out_lens)
     vlax_s, counts = run_vlax(path, prompts, out_lens, dtype)
     hf_s = run_hf(path, prompts, out_lens, dtype)
     prefill_tok, decode_tok = counts["prefill_tokens"], counts["decode_tokens"]
-    peak = peak_flops(dtype)
-    return {
+    result = {
+        "params": params,
         "vlax_tok_s": out_tokens / vlax_s,
         "hf_tok_s": out_tokens / hf_s,
         "ratio": hf_s / vlax_s,
@@ -182,22 +267,36 @@ def measure(dtype: str, num_requests: int, tmp: str) -> dict:
         "vlax_prefill_tok_s": prefill_tok / vlax_s,
         "vlax_decode_tok_s": decode_tok / vlax_s,
         "vlax_steps": counts["steps"],
-        "mfu": model_flops(prompts, out_lens) / vlax_s / peak,
-        "peak_matmul_gflop_s": peak / 1e9,
         "output_tokens": out_tokens,
     }
+    if family == "llama":  # model_flops counts a dense Llama's matmuls and attention
+        peak = peak_flops(dtype)
+        result["mfu"] = model_flops(prompts, out_lens) / vlax_s / peak
+        result["peak_matmul_gflop_s"] = peak / 1e9
+    cache_dtype = counts["cache_dtype"]
+    result["kv_cache_dtype"] = cache_dtype
+    result["kv_cache_bytes_per_token"] = {
+        name: kv_bytes_per_token(name, cache_dtype) for name in dict.fromkeys((family, "llama"))
+    }
+    return result
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    ap.add_argument("--dtypes", default=None, help="default: float32,bfloat16 (llama), float32")
     ap.add_argument("--requests", type=int, default=64)
     args = ap.parse_args(argv)
-    result = {"machine": f"{os.cpu_count()} CPU cores", "requests": args.requests}
+    dtypes = args.dtypes or FAMILIES[args.family][3]
+    result = {
+        "machine": f"{os.cpu_count()} CPU cores",
+        "family": args.family,
+        "requests": args.requests,
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in args.dtypes.split(","):
-            result[dtype] = measure(dtype, args.requests, tmp)
+        for dtype in dtypes.split(","):
+            result[dtype] = measure(dtype, args.requests, tmp, args.family)
             if not args.json:
                 print(dtype, json.dumps(result[dtype], indent=1), file=sys.stderr)
     print(json.dumps(result))
