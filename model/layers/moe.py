@@ -1,5 +1,5 @@
 """DeepSeek-V3 mixture of experts: sigmoid router with group-limited top-k, routed experts run as one
-grouped (sorted, ragged) computation, shared experts added. Matches HF transformers'
+grouped computation (model/layers/grouped_experts.py), shared experts added. Matches HF transformers'
 `DeepseekV3MoE` / `DeepseekV3TopkRouter`.
 
 Ties. Experts whose biased scores are exactly equal are ordered by index, the lower first
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import ConfigError, ModelConfig
+from model.layers.grouped_experts import expert_mlp
 from model.layers.mlp import GatedMLP
 from model.weight_spec import WeightSpec
 
@@ -165,31 +166,8 @@ class DeepseekMoE(nnx.Module):
             norm_topk_prob=s.norm_topk_prob,
             routed_scaling_factor=s.routed_scaling_factor,
         )
-        routed = self._experts(x, ids, weights)
+        routed = expert_mlp(x, ids, weights, self.experts_gate_up[...], self.experts_down[...])
         return routed + self.shared_experts(x)
-
-    def _experts(self, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        """The T*top_k (token, expert) pairs sorted by expert, each expert's rows one group of a
-        ragged matmul; results weighted, put back in token order and summed over each token's k."""
-        num_tokens, top_k = ids.shape
-        num_experts, _, two_inter = self.experts_gate_up.shape
-        inter = two_inter // 2
-        gate_up_w, down_w = self.experts_gate_up[...], self.experts_down[...]
-        flat_ids = ids.reshape(-1)
-        order = jnp.argsort(flat_ids, stable=True)
-        group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-        rows = x[order // top_k].astype(gate_up_w.dtype)
-        # Rounded to the activation dtype after each projection, as HF's experts (and Linear) do.
-        gate_up = jax.lax.ragged_dot(
-            rows, gate_up_w, group_sizes, preferred_element_type=jnp.float32
-        ).astype(x.dtype)
-        hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out = jax.lax.ragged_dot(
-            hidden.astype(down_w.dtype), down_w, group_sizes, preferred_element_type=jnp.float32
-        ).astype(x.dtype)
-        weighted = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        unsorted = jnp.zeros_like(weighted).at[order].set(weighted)
-        return unsorted.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype)
 
 
 def moe_weight_specs(

@@ -14,6 +14,7 @@ from flax import nnx
 
 from model import registry
 from model.config import ConfigError, ModelConfig, from_hf_dict
+from model.layers.grouped_experts import expert_mlp, tile_rows
 from model.layers.moe import DeepseekMoE, moe_weight_specs, route
 from model.loader import load_model
 
@@ -146,6 +147,39 @@ def test_route_ties_go_to_the_lower_index():
         norm_topk_prob=True, routed_scaling_factor=1.0,
     )  # fmt: skip
     np.testing.assert_array_equal(ids, [[5, 6]])
+
+
+def test_grouped_experts_match_a_per_pair_oracle():
+    """The tile layout under routings that stress it: one token, all pairs on one expert (the
+    most padding), every expert used, a skewed split, pair counts not a multiple of the tile."""
+    rng = np.random.default_rng(5)
+    experts, hidden, inter, top_k = 6, 16, 8, 2
+    gate_up = rng.normal(0, 0.3, (experts, hidden, 2 * inter)).astype(np.float32)
+    down = rng.normal(0, 0.3, (experts, inter, hidden)).astype(np.float32)
+
+    def oracle(x, ids, weights):
+        out = np.zeros(x.shape, np.float64)
+        for t, k in np.ndindex(ids.shape):
+            h = x[t].astype(np.float64) @ gate_up[ids[t, k]]
+            act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
+            out[t] += weights[t, k] * (act @ down[ids[t, k]])
+        return out
+
+    run = jax.jit(expert_mlp)
+    routings = {
+        "one token": rng.choice(experts, (1, top_k), replace=False),
+        "all on expert 4": np.stack([[4, 1]] * 40),
+        "every expert": rng.integers(0, experts, (37, top_k)),
+        "skewed": np.where(rng.random((133, top_k)) < 0.9, 0, rng.integers(1, experts, (133, 2))),
+    }
+    assert tile_rows(133 * top_k, experts) == 64  # several full tiles and part-filled ones
+    for name, ids in routings.items():
+        x = rng.normal(0, 1, (len(ids), hidden)).astype(np.float32)
+        weights = rng.uniform(0, 1, ids.shape).astype(np.float32)
+        got = run(jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(weights), gate_up, down)
+        np.testing.assert_allclose(
+            np.asarray(got), oracle(x, ids, weights), rtol=1e-5, atol=1e-5, err_msg=name
+        )
 
 
 class MoeLayersOnly(nnx.Module):
