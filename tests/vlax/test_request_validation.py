@@ -40,6 +40,11 @@ def serves(llm):
         ),
         (
             "Hello",
+            SamplingParams(allowed_token_ids=[5, 885]),
+            r"allowed_token_ids holds token id 885, outside the vocabulary \[0, 885\)",
+        ),
+        (
+            "Hello",
             SamplingParams(logprobs=1000),
             r"logprobs=1000 asks for more top tokens than the vocabulary has \(885\)",
         ),
@@ -68,6 +73,7 @@ def serves(llm):
     ids=[
         "logit_bias",
         "stop_token_ids",
+        "allowed_token_ids",
         "logprobs",
         "prompt_logprobs",
         "prompt_token_ids",
