@@ -1,5 +1,6 @@
-"""Test-wide settings: JAX on CPU, deterministic hypothesis profile for CI."""
+"""Test-wide settings: JAX on CPU, deterministic hypothesis profile for CI; shared fixtures."""
 
+import logging
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -7,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -17,3 +19,32 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+class _LoggerMessages(logging.Handler):
+    """Collects one logger's INFO and higher messages, on the logger itself (whatever the app's
+    logging setup), as `records`; the logger's level is restored on exit."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.logger, self.records = logging.getLogger(name), []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+@pytest.fixture(scope="session")
+def logger_messages():
+    """`with logger_messages("runtime.runner.model_runner") as log:` ... `log.records`.
+    Session-scoped (it holds no state), so module-scoped fixtures can use it too."""
+    return _LoggerMessages

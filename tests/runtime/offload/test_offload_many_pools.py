@@ -13,7 +13,6 @@ tokens, so a request fills 10 whole blocks and a repeat can load (40 - 1) // 4 =
 """
 
 import json
-import logging
 import os
 
 import jax
@@ -76,25 +75,6 @@ class SplitPoolsLlama(LlamaForCausalLM):
             new_keys.append((k4.reshape(k.shape),))
             new_values.append((v4.reshape(v.shape),))
         return (*new_kv, *new_keys, *new_values), self.model.norm(x)
-
-
-class _Records(logging.Handler):
-    def __init__(self, name):
-        super().__init__(logging.INFO)
-        self.logger, self.records = logging.getLogger(name), []
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
-
-    def __enter__(self):
-        self.level = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.level)
 
 
 def test_gather_and_scatter_move_a_block_of_every_pool():
@@ -161,9 +141,9 @@ def tokens(llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint):
+def plain(checkpoint, logger_messages):
     """An engine without offload, sized by a byte budget."""
-    with _Records("runtime.runner.model_runner") as log:
+    with logger_messages("runtime.runner.model_runner") as log:
         llm = LLM(checkpoint, **ENGINE, kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES + BLOCK_BYTES - 1)
     runner = llm.engine.runner
     assert [s.bytes_per_block for s in runner.cache_specs] == list(POOL_BYTES)

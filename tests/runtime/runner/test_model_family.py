@@ -2,7 +2,6 @@
 kernel choices the family made once when it was built."""
 
 import ast
-import logging
 import pathlib
 
 import numpy as np
@@ -45,27 +44,6 @@ class MistralForCausalLM(LlamaForCausalLM):
         )
 
 
-class _Records(logging.Handler):
-    """Collects one logger's records, on the logger itself (whatever the app's logging setup)."""
-
-    def __init__(self, name: str):
-        super().__init__(logging.INFO)
-        self.logger, self.records = logging.getLogger(name), []
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
-
-    def __enter__(self):
-        self.level = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.level)
-
-
 def _write_mistral(path) -> str:
     import torch
     import transformers
@@ -92,9 +70,9 @@ def mistral(tmp_path):
         registry.unregister("MistralForCausalLM")
 
 
-def test_a_family_registered_from_outside_is_served_with_its_own_pools(mistral):
+def test_a_family_registered_from_outside_is_served_with_its_own_pools(mistral, logger_messages):
     prompts = _prompts(1, [4, 13, 7])
-    with _Records("runtime.runner.model_runner") as log:
+    with logger_messages("runtime.runner.model_runner") as log:
         llm = LLM(mistral, max_model_len=64, max_num_seqs=4, block_size=8, kv_cache_bytes=1 << 16)
     runner = llm.engine.runner
     assert [s.name for s in runner.cache_specs] == ["layer 0 K/V", "layer 1 K/V"]
@@ -140,8 +118,8 @@ def llama(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("llama") / "ck", "llama", seed=3)
 
 
-def test_attention_backend_is_decided_once_with_its_reason(llama):
-    with _Records("pallas_kernels.backends") as log:
+def test_attention_backend_is_decided_once_with_its_reason(llama, logger_messages):
+    with logger_messages("pallas_kernels.backends") as log:
         llm = LLM(llama, max_model_len=64, max_num_seqs=4, block_size=4)
         # Prompts of several lengths: several padded batch shapes, so several traces of the step.
         for lengths in ([3], [9, 20, 2], [33]):
@@ -157,8 +135,8 @@ def test_attention_backend_is_decided_once_with_its_reason(llama):
     assert (choice.impl, choice.forced) == ("reference", False)
 
 
-def test_forced_backend_is_logged_as_forced(llama):
-    with _Records("pallas_kernels.backends") as log:
+def test_forced_backend_is_logged_as_forced(llama, logger_messages):
+    with logger_messages("pallas_kernels.backends") as log:
         llm = LLM(llama, max_model_len=64, max_num_seqs=2, block_size=4, attention_backend="pallas")
     assert log.records == [
         "backend: ragged_paged_attention -> pallas (interpret mode) [forced by configuration]"
