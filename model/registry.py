@@ -25,6 +25,9 @@ _BUILT_IN = (
     ArchitectureEntry(
         "DeepseekV3ForCausalLM", "model.deepseek:DeepseekV3ForCausalLM", ("generate",)
     ),
+    ArchitectureEntry(
+        "DeepseekV32ForCausalLM", "model.deepseek_v32:DeepseekV32ForCausalLM", ("generate",)
+    ),
 )
 _REGISTRY = {e.name: e for e in _BUILT_IN}
 _RUNNER_TYPES = ("generate", "pooling")

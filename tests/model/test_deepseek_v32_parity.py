@@ -1,5 +1,10 @@
 """DeepSeek-V3.2 (DSA) against HF transformers: the lightning indexer module on HF's weights over a
-paged, chunked, prefix-shared batch."""
+paged, chunked, prefix-shared batch; the whole model through the engine (greedy tokens identical to
+HF generate, logprobs close) with chunked prefill on and off, shared-prefix hits, preemption, and the
+sparse decode forced to the Pallas kernel (interpret mode).
+
+index_topk (6) is smaller than most prompts, so the indexer's choice changes what is attended.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from model.config import RopeConfig
+from model.base import ModelOptions
+from model.config import ModelConfig, RopeConfig, from_hf_dict
+from model.deepseek_v32 import DeepseekV32ForCausalLM
 from model.layers.dsa_indexer import Indexer
 from model.layers.rotary import rotary_cos_sin
-from model.testing import SeqChunk, make_batch
+from model.testing import (
+    DEEPSEEK_TINY,
+    TINY_COMMON,
+    SeqChunk,
+    hf_greedy,
+    hf_load,
+    hf_logits,
+    make_batch,
+    randomize_constant_parameters,
+    randomize_routing_biases,
+)
+from vlax import LLM, SamplingParams
 
 BLOCK = 4
+MAX_TOKENS = 10
+# The Pallas kernel needs the rope part (qk_rope_head_dim) to be a multiple of 16. Eight index
+# heads: with two, ReLU zeros tie often enough that HF's cached generate disagreed with itself.
+V32_TINY = {
+    **TINY_COMMON,
+    **DEEPSEEK_TINY,
+    "qk_rope_head_dim": 16,
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 6,
+    # HF zeroes the pad token's embedding row; a zero input makes every index score of layer 0
+    # exactly 0, and HF's torch.topk then picks an arbitrary set where we pick the lowest positions.
+    "pad_token_id": None,
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
 
 
 def _torch_rope(rope_dim, positions, theta=10000.0):
@@ -136,3 +170,146 @@ def test_indexer_selects_hf_top_k_over_paged_chunked_and_shared_contexts(hf_inde
             # HF lets masked (future) positions fill a short top-k; ours pads with -1.
             assert set(ids[:k].tolist()) == set(want[p, :k].tolist()), (s, p, ids, want[p])
             assert (ids[k:] == -1).all(), (s, p, ids)
+
+
+def write_v32_checkpoint(directory, seed: int = 0) -> str:
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV32Config(**V32_TINY)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(config)
+    randomize_constant_parameters(model, seed)
+    randomize_routing_biases(model, seed)
+    model.eval().save_pretrained(str(directory), safe_serialization=True)
+    return str(directory)
+
+
+def _prompts(seed, lengths, prefix_len=0):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 128, prefix_len).tolist()
+    return [prefix + rng.integers(3, 128, n).tolist() for n in lengths]
+
+
+# Prompts of different lengths (3 <= index_topk < the rest); and four that share a 12-token prefix.
+RAGGED = _prompts(10, [3, 9, 17, 26])
+SHARED = _prompts(11, [5, 9, 13, 2], prefix_len=12)
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    """(checkpoint path, {prompt: (HF greedy tokens, [per position {token: logprob}]),
+    {prompt: HF's uncached argmax over its own greedy continuation})."""
+    path = write_v32_checkpoint(tmp_path_factory.mktemp("v32") / "ckpt")
+    hf = hf_load(path)
+    ref, uncached = {}, {}
+    for p in RAGGED + SHARED:
+        toks = hf_greedy(hf, p, MAX_TOKENS)
+        logits = hf_logits(hf, p + toks)[len(p) - 1 : -1]
+        lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        top = np.argsort(-lp, axis=-1)[:, :5]
+        ref[tuple(p)] = (
+            toks,
+            [{int(t): float(lp[i, t]) for t in top[i]} for i in range(len(toks))],
+        )
+        uncached[tuple(p)] = logits.argmax(-1).tolist()
+    return path, ref, uncached
+
+
+def test_hf_cached_generate_agrees_with_its_uncached_argmax(v32):
+    """Guards the fixture: with near-ties in random weights HF can disagree with itself (its cached
+    top-k and its full-forward top-k tie-break differently); then no comparison with it means much."""
+    _, ref, uncached = v32
+    for p, (toks, _) in ref.items():
+        assert toks == uncached[p], p
+
+
+def _run(path, prompts, **engine_kw):
+    llm = LLM(path, max_model_len=64, block_size=BLOCK, record_steps=None, **engine_kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    got = [
+        (
+            o.outputs[0].token_ids,
+            [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+    return llm, got
+
+
+def _check_matches_hf(got, ref, prompts, atol=2e-3):
+    """Identical greedy tokens; logprobs close where both sides list a token (vLLM's
+    check_logprobs_close, which the identical tokens make strict)."""
+    for p, (toks, lps) in zip(prompts, got, strict=True):
+        want_toks, want_lps = ref[tuple(p)]
+        assert toks == want_toks, (p, toks, want_toks)
+        for ours, theirs in zip(lps, want_lps, strict=True):
+            assert set(theirs) <= set(ours) | {min(theirs, key=theirs.get)}
+            for t, lp in theirs.items():
+                if t in ours:
+                    assert abs(ours[t] - lp) < atol, (p, t, ours[t], lp)
+
+
+def test_engine_matches_hf_with_chunked_prefill(v32):
+    path, ref, _ = v32
+    # A 16-token budget splits the 17- and 26-token prompts over steps mixed with decodes.
+    llm, got = _run(path, RAGGED, max_num_batched_tokens=16, max_num_seqs=4)
+    _check_matches_hf(got, ref, RAGGED)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.stats)
+    assert llm.engine.runner.backends["sparse_mla_decode"].impl == "reference"
+    names = [spec.name for spec in llm.engine.runner.cache_specs]
+    assert names == ["MLA latent", "DSA indexer keys"]
+
+
+def test_engine_matches_hf_with_prefix_hits_and_preemption_without_chunking(v32):
+    path, ref, _ = v32
+    # 16 usable blocks of 4 tokens cannot hold four ~30-token sequences: requests get preempted,
+    # and recompute their prefill (latent and indexer keys) when resumed.
+    llm, got = _run(path, SHARED, max_num_seqs=4, num_kv_blocks=17, enable_chunked_prefill=False)
+    _check_matches_hf(got, ref, SHARED)
+    engine = llm.engine
+    assert sum(s.num_preempted for s in engine.stats) > 0
+    hits = [nd.num_computed_tokens for so in engine.history for nd in so.scheduled_new_reqs]
+    # The shared prefix came from the cache: both pools, or the indexer would score zero keys.
+    assert max(hits) >= 12
+
+
+def test_forced_pallas_sparse_decode_gives_the_reference_tokens(v32):
+    """Decode tokens through the Pallas kernel (interpret mode on the CPU), prefill chunks through
+    the masked reference, in steps that mix both: HF's tokens, as with the reference alone."""
+    path, ref, _ = v32
+    prompts = RAGGED[1:3]
+    llm, got = _run(
+        path, prompts, max_num_batched_tokens=8, max_num_seqs=2, attention_backend="pallas"
+    )
+    choice = llm.engine.runner.backends["sparse_mla_decode"]
+    assert (choice.impl, choice.interpret) == ("pallas", True)
+    _check_matches_hf(got, ref, prompts, atol=5e-3)
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.stats)
+
+
+def test_cache_specs_and_refusals(v32):
+    path, _, _ = v32
+    config = ModelConfig.from_pretrained(path)
+    options = ModelOptions(block_size=BLOCK)
+    latent, keys = DeepseekV32ForCausalLM.cache_specs(config, options)
+    assert (latent.name, latent.parts, latent.page_shape) == (
+        "MLA latent",
+        ("latent",),
+        (BLOCK, 1, 32),
+    )
+    assert (keys.name, keys.parts, keys.page_shape) == (
+        "DSA indexer keys",
+        ("keys",),
+        (BLOCK, 1, 32),
+    )
+    assert keys.num_layers == latent.num_layers == 2
+    hf = dict(config.hf_config)
+    for field, value, match in (
+        ("q_lora_rank", None, "q_lora_rank must be set"),
+        ("index_topk", 0, "'index_topk' must be a positive int, got 0"),
+        ("index_head_dim", 8, r"index_head_dim \(8\) must hold .* qk_rope_head_dim \(16\)"),
+    ):
+        bad = from_hf_dict({**hf, field: value}, path=path)
+        with pytest.raises(ValueError, match=match):
+            nnx.eval_shape(lambda c=bad: DeepseekV32ForCausalLM(c, options))
