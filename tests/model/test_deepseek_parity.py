@@ -38,15 +38,22 @@ T, S, MB = 32, 5, 8  # one padded shape for every module-level step: each model 
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.7}  # fmt: skip
 CASES = {
-    # q_lora set, interleaved rope (HF's default layout), every layer dense
-    "lora_dense": dict(first_k_dense_replace=2),
-    # q_proj without lora; YaRN with mscale != mscale_all_dim (a softmax-scale factor and a cos/sin
-    # factor); biases on q_a / kv_a / o
-    "nolora_yarn_bias": dict(
-        q_lora_rank=None, first_k_dense_replace=2, attention_bias=True, rope_parameters=YARN
+    # q_lora set, interleaved rope (HF's default layout); layer 0 dense, layer 1 MoE (4 experts
+    # top-2 in one group, a shared expert)
+    "lora_k1": dict(first_k_dense_replace=1),
+    # q_proj without lora; every layer MoE, 8 experts in 4 groups of which 2 are kept; YaRN with
+    # mscale != mscale_all_dim (a softmax-scale factor and a cos/sin factor); biases on q/kv/o
+    "nolora_k0_groups_yarn": dict(
+        q_lora_rank=None,
+        first_k_dense_replace=0,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        attention_bias=True,
+        rope_parameters=YARN,
     ),
-    # half-split rope (rope_interleave false), tied embeddings
-    "halfsplit_tied": dict(
+    # half-split rope (rope_interleave false), tied embeddings, every layer dense
+    "halfsplit_tied_dense": dict(
         rope_interleave=False, tie_word_embeddings=True, first_k_dense_replace=2
     ),
 }
@@ -179,7 +186,7 @@ def test_ragged_prefill_decode_and_prefix_logits_match_hf(checkpoints):
 
 
 def test_bfloat16_logits_close_to_hf_bfloat16(checkpoints):
-    path = checkpoints["lora_dense"]
+    path = checkpoints["lora_k1"]
     tokens = _ragged_tokens(5)
     got = _ragged_logits(*_load(path, "bfloat16"), tokens)
     hf = hf_load(path, "bfloat16")
@@ -233,12 +240,12 @@ def test_engine_greedy_tokens_and_logprobs_match_hf(checkpoints, hf_reference):
             (BLOCK, 1, 24),
         )
     # Without chunked prefill (whole prompts in one step).
-    path = checkpoints["nolora_yarn_bias"]
+    path = checkpoints["nolora_k0_groups_yarn"]
     llm = LLM(
         path, max_model_len=64, max_num_seqs=5, block_size=BLOCK, enable_chunked_prefill=False
     )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    ref = [(toks, lps) for toks, lps, _ in hf_reference["nolora_yarn_bias"]]
+    ref = [(toks, lps) for toks, lps, _ in hf_reference["nolora_k0_groups_yarn"]]
     assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
     check_logprobs_close(_ours(outs), ref, atol=2e-3)
 
@@ -269,7 +276,7 @@ def test_selected_positions_attend_only_those(checkpoints):
     """The DSA hook: per token, the positions it may attend (-1 none), over a ragged batch of a
     prefill chunk after a cached chunk and a fresh prefill; against the expanded-form oracle, and
     with every causal position selected, equal to dense attention."""
-    path = checkpoints["nolora_yarn_bias"]
+    path = checkpoints["nolora_k0_groups_yarn"]
     config = ModelConfig.from_pretrained(path)
     model = nnx.merge(*load_model(path, config, OPTIONS))
     dense = model.model.layers[0].self_attn
@@ -277,6 +284,8 @@ def test_selected_positions_attend_only_those(checkpoints):
     sparse = backends.select("sparse_mla_decode", dtype="float32", head_dim=latent, d_v=16)
     attn = MLAttention(config, 0, config.jnp_dtype, backend=dense.backend, sparse_backend=sparse)
     nnx.update(attn, nnx.state(dense))
+    parts = nnx.split(attn)
+    run = jax.jit(lambda parts, *args, selected: nnx.merge(*parts)(*args, selected=selected))
     hidden, rope = config.hidden_size, model.rope
     rng = np.random.default_rng(0)
     xa = jnp.asarray(rng.normal(size=(11, hidden)), jnp.float32)
@@ -290,7 +299,8 @@ def test_selected_positions_attend_only_those(checkpoints):
 
     cache = base.allocate(type(model).cache_specs(config, OPTIONS), 8)[0]  # layer 0: (latent,)
     b1 = make_batch([SeqChunk((0,) * 5, 0, ta)], BLOCK, **shape)  # A's first 5 tokens, dense
-    _, cache = attn(rows(xa[:5]), *rotary_cos_sin(b1.positions, rope, jnp.float32), cache, b1)
+    cs1 = rotary_cos_sin(b1.positions, rope, jnp.float32)
+    _, cache = run(parts, rows(xa[:5]), *cs1, cache, b1, selected=None)
     # A 5..11 over its cached chunk, and B 0..6: each token with a random subset of its causal
     # positions, and a future position that must stay masked
     b2 = make_batch([SeqChunk((0,) * 6, 5, ta), SeqChunk((0,) * 6, 0, tb)], BLOCK, **shape)
@@ -306,9 +316,9 @@ def test_selected_positions_attend_only_those(checkpoints):
         allowed[seq][i] = False
         allowed[seq][i, pick] = True
         every[row, : i + 1] = np.arange(i + 1)
-    out, _ = attn(x2, *cs2, cache, b2, selected=jnp.asarray(selected))
-    out_every, _ = attn(x2, *cs2, cache, b2, selected=jnp.asarray(every))
-    out_dense, _ = attn(x2, *cs2, cache, b2)
+    out, _ = run(parts, x2, *cs2, cache, b2, selected=jnp.asarray(selected))
+    out_every, _ = run(parts, x2, *cs2, cache, b2, selected=jnp.asarray(every))
+    out_dense, _ = run(parts, x2, *cs2, cache, b2, selected=None)
     np.testing.assert_allclose(np.asarray(out_every)[:12], np.asarray(out_dense)[:12], atol=1e-5)
     scale = softmax_scale(config)
     for seq, x, got, first in (("A", xa, out[:6], 5), ("B", xb, out[6:12], 0)):
