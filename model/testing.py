@@ -159,6 +159,20 @@ def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def check_logprobs_close(ours, theirs, atol: float) -> None:
+    """vLLM's rule for greedy outputs [(token ids, [{token: logprob} per position])]: where the
+    ids diverge, each side's token must be in the other's top-k, and the comparison stops there;
+    where they agree, the logprobs of the tokens both list must be within `atol`."""
+    for (ids_a, lps_a), (ids_b, lps_b) in zip(ours, theirs, strict=True):
+        for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)):
+            if a != b:
+                assert a in lps_b[i] and b in lps_a[i], f"position {i}: {a} vs {b}"
+                break
+            for tok, lp in lps_b[i].items():
+                if tok in lps_a[i]:
+                    assert abs(lps_a[i][tok] - lp) < atol, (i, tok, lps_a[i][tok], lp)
+
+
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
     """One sequence's scheduled tokens this step: `tokens` at positions start, start+1, ..."""

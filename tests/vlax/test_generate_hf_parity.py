@@ -4,7 +4,13 @@ engine (scheduler, paged KV cache, prefix cache, chunked prefill, preemption, sa
 import numpy as np
 import pytest
 
-from model.testing import hf_greedy, hf_load, hf_logits, write_tiny_checkpoint
+from model.testing import (
+    check_logprobs_close,
+    hf_greedy,
+    hf_load,
+    hf_logits,
+    write_tiny_checkpoint,
+)
 from vlax import LLM, SamplingParams
 
 MAX_TOKENS = 10
@@ -26,19 +32,6 @@ def _hf_reference(path, prompts, num_logprobs=5):
         top = np.argsort(-lp, axis=-1)[:, :num_logprobs]
         out.append((toks, [{int(t): float(lp[i, t]) for t in top[i]} for i in range(len(toks))]))
     return out
-
-
-def check_logprobs_close(ours, theirs, atol):
-    """vLLM's rule: where ids diverge, each side's token must be in the other's top-k; stop there.
-    Where they agree, the logprob values must be close."""
-    for (ids_a, lps_a), (ids_b, lps_b) in zip(ours, theirs, strict=True):
-        for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)):
-            if a != b:
-                assert a in lps_b[i] and b in lps_a[i], f"position {i}: {a} vs {b}"
-                break
-            for tok, lp in lps_b[i].items():
-                if tok in lps_a[i]:
-                    assert abs(lps_a[i][tok] - lp) < atol, (i, tok, lps_a[i][tok], lp)
 
 
 def _ours(outs):
