@@ -13,7 +13,9 @@ in a separate git worktree, from the repository it lives in:
 
 The worktree's own code is what the tests import (pytest is started from its root, first on
 sys.path); the pass checks that before it starts. Each file is restored byte for byte after its
-mutant, and `--check` only verifies that every mutant's original line is still in the code.
+mutant. `--check` runs nothing: it lists the stale mutants (original line not found exactly once
+in today's code, a test path that is gone, a mutated file that does not compile) with the reason,
+and exits 1 if there is one; the pass itself reports those as stale without running them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.mutants import MUTANTS
-from benchmarks.mutation_runner import check_root, matching_lines, run_mutant, run_tests
+from benchmarks.mutation_runner import check_mutant, check_root, run_mutant, run_tests
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--only", nargs="*", default=None, help="mutant names to run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per mutant")
-    parser.add_argument("--check", action="store_true", help="only check the original lines")
+    parser.add_argument("--check", action="store_true", help="list stale mutants, run none")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--baseline",
@@ -50,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [m for m in MUTANTS if args.only is None or m.name in args.only]
     root = args.root
     if args.check:
-        stale = [
-            m.name
-            for m in chosen
-            if len(matching_lines((root / m.file).read_text(), m.original)) != 1
-        ]
+        stale = {m.name: problems for m in chosen if (problems := check_mutant(root, m))}
         print(json.dumps({"mutants": len(chosen), "stale": stale}, indent=2))
         return 1 if stale else 0
     check_root(root, {m.file for m in chosen})

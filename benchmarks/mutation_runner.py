@@ -16,6 +16,33 @@ def matching_lines(text: str, original: str) -> list[int]:
     return [i for i, line in enumerate(text.splitlines(keepends=True)) if line.strip() == original]
 
 
+def check_mutant(root: Path, mutant: Mutant) -> list[str]:
+    """Why `mutant` cannot run as meant against today's code; empty when it can.
+
+    Stale: its file is gone, or its original line is not in it exactly once (the code moved on).
+    A test path it names that does not exist makes pytest fail on usage, not on the mutant. A
+    mutated file that does not compile fails collection: counted as a kill with no test run."""
+    path = root / mutant.file
+    if not path.is_file():
+        return [f"{mutant.file} does not exist"]
+    text = path.read_text()
+    found = matching_lines(text, mutant.original)
+    problems = []
+    if len(found) != 1:
+        problems.append(f"original line found {len(found)} times in {mutant.file}")
+    elif mutant.mutated.strip() == mutant.original:
+        problems.append("mutated line equals the original")
+    else:
+        try:
+            compile(_mutate(text, found[0], mutant.mutated), mutant.file, "exec")
+        except SyntaxError as e:
+            problems.append(f"mutated {mutant.file} does not compile: {e.msg} (line {e.lineno})")
+    for test in mutant.tests:
+        if not (root / test.split("::")[0]).exists():
+            problems.append(f"test path {test} does not exist")
+    return problems
+
+
 def _mutate(text: str, line_index: int, mutated: str) -> str:
     lines = text.splitlines(keepends=True)
     line = lines[line_index]
@@ -54,11 +81,12 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, 
 def run_mutant(root: Path, mutant: Mutant, timeout: float) -> dict:
     path = root / mutant.file
     result = {"name": mutant.name, "file": mutant.file, "tests": list(mutant.tests)}
+    problems = check_mutant(root, mutant)
+    if problems:
+        return {**result, "status": "stale", "detail": "; ".join(problems)}
     original = path.read_bytes()
     text = original.decode()
     found = matching_lines(text, mutant.original)
-    if len(found) != 1:
-        return {**result, "status": "stale", "detail": f"original line found {len(found)} times"}
     try:
         path.write_text(_mutate(text, found[0], mutant.mutated))
         _drop_bytecode(path)
