@@ -17,6 +17,7 @@ from model.config import ConfigError, ModelConfig, from_hf_dict
 from model.layers.grouped_experts import expert_mlp, tile_rows
 from model.layers.moe import DeepseekMoE, moe_weight_specs, route
 from model.loader import load_model
+from model.weight_spec import WeightSpec
 
 ARCH = "MoeLayersOnlyForTest"
 HIDDEN, INTER, EXPERTS = 32, 16, 8
@@ -338,3 +339,10 @@ def test_unserved_configs_are_refused_by_field(checkpoint, change, field):
     config = from_hf_dict(hf, path="ck")
     with pytest.raises(ConfigError, match=f"'{field}' = {change[field]!r}"):
         DeepseekMoE(config, jnp.float32)
+
+
+def test_a_stacked_spec_needs_equal_runs_per_entry():
+    sources = tuple((f"e.{n}.w", (2, 2)) for n in range(5))
+    with pytest.raises(ValueError, match="5 sources cannot be stacked 2 ways"):
+        WeightSpec(("experts",), sources, stacked=2)
+    assert WeightSpec(("experts",), sources, stacked=5).stacked == 5
