@@ -24,6 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
 
+from benchmarks import mooncake_master  # noqa: E402
+
 PORT = 47651
 MASTER = f"127.0.0.1:{PORT}"
 EVICTING_PORT = PORT + 2
@@ -117,28 +119,13 @@ def _die_with_parent() -> None:
 
 
 def stop_master(master: subprocess.Popen) -> None:
-    master.send_signal(signal.SIGTERM)
-    try:
-        master.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        master.kill()
-        master.wait()
+    mooncake_master.stop_master(master, grace_s=30)
 
 
-def connect(master: str = MASTER, **kwargs):
+def connect(port: int = PORT, **kwargs):
     """A store on a master that may still be starting: setup is retried until it answers (the
     deadline only bounds a master that never comes up)."""
-    from runtime.offload.mooncake_store import MooncakeStore
-    from runtime.offload.store import StoreError
-
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            return MooncakeStore(master, BLOCK, namespace="scenario", **kwargs)
-        except StoreError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    return mooncake_master.connect_store(port, BLOCK, namespace="scenario", timeout_s=120, **kwargs)
 
 
 def check_store_semantics() -> None:
@@ -176,8 +163,7 @@ def check_evicting_pool_returns_what_was_written() -> None:
     # With eviction on, which puts land and which stored blocks survive depend on when the
     # master's eviction thread runs. Under every schedule: no put raises, and a read gives the
     # value written to that key or nothing.
-    address = f"127.0.0.1:{EVICTING_PORT}"
-    with connect(address, segment_bytes=16 << 20, retries=2, sleep=lambda s: None) as s:
+    with connect(EVICTING_PORT, segment_bytes=16 << 20, retries=2, sleep=lambda s: None) as s:
         keys = [key(2000 + i) for i in range(512)]
         stored = s.put(keys, [value(i) for i in range(512)]).stored
         got = s.get(keys)
