@@ -244,11 +244,13 @@ def make_sampling_metadata(
         raise ValueError(f"vocab_size={vocab_size}: expected 0 < vocab_size < {MAX_VOCAB_SIZE}")
     params = [row.params for row in rows]
     by_params: dict[int, tuple] = {}
+    distinct = []
     values = []
     for p in params:
         v = by_params.get(id(p))
         if v is None:
             v = by_params[id(p)] = _static_values(p, vocab_size, global_seed)
+            distinct.append(p)
         values.append(v)
     table = np.array(values, np.float64).reshape(len(rows), len(_STATIC))
     columns = {}
@@ -281,11 +283,21 @@ def make_sampling_metadata(
         for p, row in zip(params, rows, strict=True)
     ]
     biases = [_bias_pairs(p.logit_bias) for p in params]
-    bans = [
-        _bad_word_bans(p.bad_words_token_ids, row) if p.bad_words_token_ids else ()
-        for p, row in zip(params, rows, strict=True)
-    ]
-    allowed = [p.allowed_token_ids or () for p in params]
+    # Most batches use neither bad words nor allowed ids: their per-row passes are skipped.
+    if any(p.bad_words_token_ids for p in distinct):
+        bans = [
+            _bad_word_bans(p.bad_words_token_ids, row) if p.bad_words_token_ids else ()
+            for p, row in zip(params, rows, strict=True)
+        ]
+        # Both are -inf masks, so one array carries them (vLLM applies bad words, then
+        # min_tokens): no new array, no new compilation.
+        masked = [(*s, *b) for s, b in zip(stops, bans, strict=True)]
+    else:
+        bans, masked = [], stops
+    if any(p.allowed_token_ids for p in distinct):
+        allowed = [p.allowed_token_ids or () for p in params]
+    else:
+        allowed = []
 
     needs_penalties = bool(
         np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
@@ -308,8 +320,6 @@ def make_sampling_metadata(
     ):
         if any(lists):
             _check_lists(what, rows, lists, vocab_size)
-    # Both are -inf masks, so one array carries them (vLLM applies bad words, then min_tokens).
-    masked = [(*s, *b) for s, b in zip(stops, bans, strict=True)]
     masked_ids, masked_valid = _pad_rows(masked, num_rows, _width(max(map(len, masked), default=0)))
     allowed_ids, allowed_valid = _pad_rows(
         allowed, num_rows, _width(max(map(len, allowed), default=0))
