@@ -100,7 +100,7 @@ def _our_indexer(cfg, mod) -> Indexer:
 
 
 def test_indexer_selects_hf_top_k_over_paged_chunked_and_shared_contexts(hf_indexer):
-    """Sequences A (29 tokens), B (13), C (6) run in three steps of chunked prefill and decode;
+    """Sequences A (29 tokens), B (13), C (6) run in four steps of chunked prefill and decode;
     D starts with A's first 8 tokens and reads their keys from A's blocks (a prefix hit). Every
     token's selection equals HF's indexer over the whole sequence with a causal mask."""
     import torch
@@ -117,8 +117,9 @@ def test_indexer_selects_hf_top_k_over_paged_chunked_and_shared_contexts(hf_inde
     )
     tables = {"A": tuple(range(1, 9)), "B": (12, 10, 9, 11), "C": (14, 13), "D": (1, 2, 15, 16)}
     steps = [
-        [("A", 0, 13), ("B", 0, 12), ("C", 0, 5)],
-        [("A", 13, 28), ("B", 12, 13), ("C", 5, 6)],
+        [("C", 0, 5)],  # no context longer than index_topk: each token takes its whole context
+        [("A", 0, 13), ("B", 0, 12), ("C", 5, 6)],
+        [("A", 13, 28), ("B", 12, 13)],
         [("A", 28, 29), ("D", 8, 15)],
     ]
     rope = RopeConfig("default", 10000.0, cfg.qk_rope_head_dim, 256)
