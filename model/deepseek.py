@@ -17,7 +17,7 @@ from flax import nnx
 
 from model.base import ModelOptions, PagedCacheSpec
 from model.batch import ModelBatch
-from model.config import ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.layers.embeddings import Embedding, lm_logits
 from model.layers.mla import MLAShape, MLAttention, choose_backend, mla_rope
 from model.layers.mlp import GatedMLP
@@ -32,7 +32,9 @@ _FIRST_K_DENSE_DEFAULT = 3
 def first_k_dense(config: ModelConfig) -> int:
     k = config.hf_config.get("first_k_dense_replace", _FIRST_K_DENSE_DEFAULT)
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise ValueError(f"{config.path}: first_k_dense_replace must be an int >= 0, got {k!r}")
+        raise ConfigError(
+            f"{config.path}: config field 'first_k_dense_replace' must be an int >= 0, got {k!r}"
+        )
     return k
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.batch import ModelBatch
-from model.config import ModelConfig, RopeConfig
+from model.config import ConfigError, ModelConfig, RopeConfig
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
@@ -78,8 +78,9 @@ class MLAShape:
             attention_bias=config.attention_bias,
         )
         if shape.qk_rope_head_dim % 2:
-            raise ValueError(
-                f"{config.path}: qk_rope_head_dim must be even, got {shape.qk_rope_head_dim}"
+            raise ConfigError(
+                f"{config.path}: MLA config field 'qk_rope_head_dim' must be even, got "
+                f"{shape.qk_rope_head_dim}"
             )
         return shape
 
@@ -87,7 +88,7 @@ class MLAShape:
 def _positive(hf, key: str, config: ModelConfig) -> int:
     v = hf.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"{config.path}: MLA config field {key!r} must be a positive int, got {v!r}"
         )
     return v

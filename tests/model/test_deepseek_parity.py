@@ -18,6 +18,7 @@ from flax import nnx
 from model import base
 from model.base import ModelOptions
 from model.config import ModelConfig
+from model.deepseek import DeepseekV3ForCausalLM
 from model.layers.mla import MLAttention, softmax_scale
 from model.layers.rotary import rotary_cos_sin
 from model.loader import load_model
@@ -209,27 +210,31 @@ def _ours(outs):
     ]
 
 
+# Per case, how the engine schedules: the MoE cases with chunked prefill (a 16-token budget chunks
+# the long prompts over several steps, mixed with decodes), the dense one without (whole prompts).
+# Either way 16 usable blocks of 4 tokens cannot hold the five 13..50-token sequences, so requests
+# are preempted and recomputed, and the shared 12-token prefix is read from the cache.
+ENGINE_ARGS = {
+    "lora_k1": dict(max_num_batched_tokens=16, max_num_seqs=4),
+    "nolora_k0_groups_yarn": dict(max_num_batched_tokens=16, max_num_seqs=4),
+    "halfsplit_tied_dense": dict(max_num_seqs=5, enable_chunked_prefill=False),
+}
+
+
 def test_engine_greedy_tokens_and_logprobs_match_hf(checkpoints, hf_reference):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     for name, path in checkpoints.items():
         ref = [(toks, lps) for toks, lps, _ in hf_reference[name]]
-        # A 16-token budget chunks the long prompts over several steps, mixed with decodes; 16
-        # usable blocks of 4 tokens cannot hold five 13..50-token sequences, so requests are
-        # preempted and recomputed; the shared 12-token prefix is read from the cache.
+        args = ENGINE_ARGS[name]
         llm = LLM(
-            path,
-            max_model_len=64,
-            max_num_batched_tokens=16,
-            max_num_seqs=4,
-            block_size=BLOCK,
-            num_kv_blocks=17,
-            record_steps=None,
+            path, max_model_len=64, block_size=BLOCK, num_kv_blocks=17, record_steps=None, **args
         )
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref], name
         check_logprobs_close(_ours(outs), ref, atol=2e-3)
         engine = llm.engine
-        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.stats), name
+        if args.get("enable_chunked_prefill", True):
+            assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.stats), name
         assert sum(s.num_preempted for s in engine.stats) > 0, name
         hits = [nd.num_computed_tokens for so in engine.history for nd in so.scheduled_new_reqs]
         assert max(hits) >= 12, name
@@ -239,15 +244,6 @@ def test_engine_greedy_tokens_and_logprobs_match_hf(checkpoints, hf_reference):
             ("latent",),
             (BLOCK, 1, 24),
         )
-    # Without chunked prefill (whole prompts in one step).
-    path = checkpoints["nolora_k0_groups_yarn"]
-    llm = LLM(
-        path, max_model_len=64, max_num_seqs=5, block_size=BLOCK, enable_chunked_prefill=False
-    )
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    ref = [(toks, lps) for toks, lps, _ in hf_reference["nolora_k0_groups_yarn"]]
-    assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref]
-    check_logprobs_close(_ours(outs), ref, atol=2e-3)
 
 
 def _expanded_oracle(attn: MLAttention, scale: float, x, allowed, cos, sin):
@@ -325,3 +321,57 @@ def test_selected_positions_attend_only_those(checkpoints):
         cs = rotary_cos_sin(jnp.arange(x.shape[0]), rope, jnp.float32)
         want = _expanded_oracle(attn, scale, x, allowed[seq], *cs)[first:]
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4, err_msg=seq)
+
+
+# DeepSeek-V3's published config.json (less its fp8 quantization_config): no head_dim, the older
+# `rope_scaling` + `rope_theta` form, and an MTP layer (num_nextn_predict_layers) on disk.
+V3_HUB_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_published_v3_config_parses_with_hf_rope_and_softmax_scale():
+    import torch
+    import transformers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
+
+    from model.config import ConfigError, from_hf_dict
+    from model.layers.mla import mla_rope
+    from model.layers.rotary import inv_freq_and_scale
+
+    config = from_hf_dict(V3_HUB_CONFIG, path="v3")
+    (spec,) = DeepseekV3ForCausalLM.cache_specs(config, ModelOptions(block_size=64))
+    assert (spec.name, spec.num_layers, spec.page_shape, spec.dtype) == (
+        "MLA latent", 61, (64, 1, 576), "bfloat16"
+    )  # fmt: skip
+    assert spec.bytes_per_block == 61 * 64 * 576 * 2
+    hf_config = transformers.DeepseekV3Config(**V3_HUB_CONFIG)
+    with torch.device("meta"):
+        hf_attn = hf_v3.DeepseekV3Attention(hf_config, 0)
+    hf_rope = hf_v3.DeepseekV3RotaryEmbedding(hf_config)
+    inv, cos_sin_factor = inv_freq_and_scale(mla_rope(config))
+    np.testing.assert_array_equal(inv, hf_rope.inv_freq.numpy())
+    assert cos_sin_factor == pytest.approx(hf_rope.attention_scaling, rel=1e-12)
+    assert softmax_scale(config) == pytest.approx(hf_attn.scaling, rel=1e-12)
+    assert softmax_scale(config) != pytest.approx(192**-0.5)  # YaRN's mscale is in it
+    # The MTP layer after the last decoder layer is on disk but unused.
+    assert DeepseekV3ForCausalLM.hf_ignored_weight("model.layers.61.eh_proj.weight", config)
+    assert not DeepseekV3ForCausalLM.hf_ignored_weight("model.layers.60.mlp.gate.weight", config)
+    for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        bad = from_hf_dict({**V3_HUB_CONFIG, key: None}, path="v3")
+        with pytest.raises(ConfigError, match=f"'{key}' must be a positive int, got None"):
+            DeepseekV3ForCausalLM.cache_specs(bad, ModelOptions())
