@@ -82,11 +82,15 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(checkpoints):
+def hf_models(checkpoints):
+    return {name: hf_load(path) for name, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_models):
     """Per case: HF's greedy tokens and top-5 logprobs for PROMPTS, and its uncached argmax."""
     out = {}
-    for name, path in checkpoints.items():
-        model = hf_load(path)
+    for name, model in hf_models.items():
         rows = []
         for p in PROMPTS:
             toks = hf_greedy(model, p, MAX_TOKENS)
@@ -174,11 +178,11 @@ def _load(path, dtype="auto"):
     return load_model(path, ModelConfig.from_pretrained(path, dtype=dtype), OPTIONS)
 
 
-def test_ragged_prefill_decode_and_prefix_logits_match_hf(checkpoints):
+def test_ragged_prefill_decode_and_prefix_logits_match_hf(checkpoints, hf_models):
     for i, (name, path) in enumerate(checkpoints.items()):
         tokens = _ragged_tokens(i)
         got = _ragged_logits(*_load(path), tokens)
-        hf = hf_load(path)
+        hf = hf_models[name]
         for s, toks in tokens.items():
             first = min(got[s])  # E computes from position 12
             want = hf_logits(hf, toks)[first:]
