@@ -280,7 +280,7 @@ def _rope(hf: dict, head_dim: int, max_pos: int, path: str) -> RopeConfig:
     )
     if rope_type == "default":
         return RopeConfig(**common)
-    factor = p.get("factor")
+    factor = _rope_number(p, "factor", None, rope_type, path)
     if factor is None and rope_type != "yarn":
         raise ConfigError(f"{path}: rope_type {rope_type!r} needs a 'factor'")
     orig = int(
@@ -296,8 +296,8 @@ def _rope(hf: dict, head_dim: int, max_pos: int, path: str) -> RopeConfig:
     if rope_type == "llama3":
         return RopeConfig(
             **common,
-            low_freq_factor=float(p["low_freq_factor"]),
-            high_freq_factor=float(p["high_freq_factor"]),
+            low_freq_factor=_rope_number(p, "low_freq_factor", _REQUIRED, rope_type, path),
+            high_freq_factor=_rope_number(p, "high_freq_factor", _REQUIRED, rope_type, path),
         )
     if rope_type == "yarn":
         return RopeConfig(
@@ -310,6 +310,21 @@ def _rope(hf: dict, head_dim: int, max_pos: int, path: str) -> RopeConfig:
             truncate=bool(p.get("truncate", True)),
         )
     return RopeConfig(**common)
+
+
+_REQUIRED = object()
+
+
+def _rope_number(p: dict, key: str, default, rope_type: str, path: str):
+    """A number from the rope parameters as a float; `default` when absent (`_REQUIRED`: refused)."""
+    value = p.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{path}: rope_type {rope_type!r} needs {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path}: rope {key!r} must be a number, got {value!r}")
+    return float(value)
 
 
 def _sliding_windows(hf: dict, num_layers: int, path: str) -> tuple[int | None, ...]:

@@ -137,6 +137,19 @@ def test_rope_forms_v5_and_legacy_agree():
         cfg(partial_rotary_factor=0.5)
 
 
+def test_rope_numbers_missing_or_not_numbers_are_config_errors_naming_the_key():
+    # These raised a bare KeyError / TypeError from deep inside the parser.
+    with pytest.raises(ConfigError, match="'llama3' needs 'low_freq_factor'"):
+        cfg(rope_parameters={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ConfigError, match="'factor' must be a number, got 'x'"):
+        cfg(rope_parameters={"rope_type": "linear", "factor": "x"})
+    with pytest.raises(ConfigError, match="'high_freq_factor' must be a number, got '4'"):
+        cfg(
+            rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": "4"}
+        )  # fmt: skip
+
+
 def test_sliding_windows_per_layer():
     c = cfg(sliding_window=8, layer_types=["full_attention", "sliding_attention"])
     assert c.sliding_windows == (None, 8)
