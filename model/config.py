@@ -124,7 +124,9 @@ def from_hf_dict(
             f"{path}: num_attention_heads ({num_heads}) must be a multiple of "
             f"num_key_value_heads ({num_kv})"
         )
-    head_dim = hf.get("head_dim")
+    # HF's Qwen3Config defaults head_dim to 128, not hidden / heads: a config.json without it
+    # means 128, as it does for transformers and vLLM.
+    head_dim = hf.get("head_dim", 128 if hf.get("model_type") == "qwen3" else None)
     if head_dim is None:
         if hidden % num_heads:
             raise ConfigError(

@@ -181,3 +181,10 @@ def test_unserved_deepseek_v4_and_quantized_checkpoints_name_the_field():
     assert "FP8 weights have no dequantization path" in str(e.value)
     with pytest.raises(ConfigError, match=r"quant_method' = 'awq': quantized checkpoints"):
         cfg(quantization_config={"quant_method": "awq", "bits": 4})
+
+
+def test_qwen3_without_head_dim_takes_hfs_default_of_128():
+    qwen3 = {**BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    assert from_hf_dict(qwen3).head_dim == 128
+    assert from_hf_dict({**qwen3, "head_dim": 16}).head_dim == 16
+    assert cfg().head_dim == 16  # Llama: hidden / heads
