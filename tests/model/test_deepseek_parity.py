@@ -24,6 +24,7 @@ from model.layers.rotary import rotary_cos_sin
 from model.loader import load_model
 from model.testing import (
     SeqChunk,
+    check_logprobs_close,
     hf_greedy,
     hf_load,
     hf_logits,
@@ -106,19 +107,6 @@ def hf_reference(hf_models):
             )
         out[name] = rows
     return out
-
-
-def check_logprobs_close(ours, theirs, atol):
-    """vLLM's rule: where ids diverge, each side's token must be in the other's top-k; stop there.
-    Where they agree, the logprob values must be close."""
-    for (ids_a, lps_a), (ids_b, lps_b) in zip(ours, theirs, strict=True):
-        for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)):
-            if a != b:
-                assert a in lps_b[i] and b in lps_a[i], f"position {i}: {a} vs {b}"
-                break
-            for tok, lp in lps_b[i].items():
-                if tok in lps_a[i]:
-                    assert abs(lps_a[i][tok] - lp) < atol, (i, tok, lps_a[i][tok], lp)
 
 
 def test_hf_cached_generate_agrees_with_its_uncached_argmax(hf_reference):
