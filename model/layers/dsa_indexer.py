@@ -124,9 +124,10 @@ def write_pages(cache: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> jax.
             f"[num_blocks, block_size, 1, D={d}] (got {cache.shape}); expected x [T, {d}]"
         )
     # Indexed by (block, offset) on the cache's own shape: scattering into a [blocks * block_size, D]
-    # reshape instead made XLA:CPU copy the whole pool on every call (45 ms for a 42 MB pool, where
-    # this form writes in place). A negative index would wrap to the last block; skipped tokens are
-    # sent past the end to be dropped.
+    # reshape instead made XLA:CPU copy the whole pool on every call, donated or not (45 ms for a
+    # 42 MB pool, where this form writes in place); the size-1 head axis is what the reshape cannot
+    # drop in place (write_kv's flat reshape is in place with 2 KV heads, copies with 1).
+    # A negative index would wrap to the last block; skipped tokens are sent past the end.
     block = jnp.where(slot_mapping < 0, nb, slot_mapping // bs).astype(jnp.int32)
     offset = (slot_mapping % bs).astype(jnp.int32)
     out = to_bits(cache).at[block, offset, 0].set(to_bits(x.astype(cache.dtype)), mode="drop")

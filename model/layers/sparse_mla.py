@@ -98,8 +98,9 @@ class SparseMLAttention(MLAttention):
         selected, key_cache = self.indexer(x, q_resid, cos, sin, key_cache, batch)
         (cache,) = latent_cache
         q_lat, q_pe = self.project_q(x, cos, sin, q_resid)
-        # write_pages, not MLA's write_latent: its flat-reshape scatter copies the whole pool on
-        # XLA:CPU (a 16-token decode step of the benchmark model: 499 ms -> 55 ms).
+        # write_pages, not MLA's write_latent: its scatter into a flat reshape of the pool (whose
+        # head axis has size 1) copies the whole pool on XLA:CPU (benchmark model, 16-token decode
+        # step: 499 ms -> 65 ms).
         cache = write_pages(cache, self.project_latent(x, cos, sin), batch.slot_mapping)
         out = self.attend(q_lat, q_pe, cache, batch, selected)
         return self.output(out), (cache,), key_cache
