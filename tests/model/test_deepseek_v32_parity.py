@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model import base
 from model.base import ModelOptions
 from model.config import ModelConfig, RopeConfig, from_hf_dict
+from model.deepseek import DeepseekV3ForCausalLM
 from model.deepseek_v32 import DeepseekV32ForCausalLM
 from model.layers.dsa_indexer import Indexer, write_pages
 from model.layers.rotary import rotary_cos_sin
+from model.loader import load_model
 from model.testing import (
     DEEPSEEK_TINY,
     TINY_COMMON,
@@ -330,3 +333,42 @@ def test_write_pages_places_rows_and_skips_padding():
         np.testing.assert_array_equal(got.reshape(nb * bs, d), want, err_msg=str(dtype))
     with pytest.raises(ValueError, match=r"expected x \[T, 3\]"):
         write_pages(cache, x[:, :2], slots)
+
+
+def _dense_twin(config, options, sparse_state):
+    """DeepSeek-V3 (dense MLA) on the V3.2 checkpoint's weights, less the indexer's."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DeepseekV3ForCausalLM(config, options)))
+    weights = dict(nnx.to_flat_state(sparse_state))
+    flat = [(p, v.replace(weights[p][...])) for p, v in nnx.to_flat_state(abstract)]
+    return graphdef, nnx.from_flat_state(flat)
+
+
+def test_contexts_within_index_topk_equal_dense_mla(v32):
+    """While no context is longer than index_topk (6) V3.2 is dense MLA; past it they differ."""
+    path, _, _ = v32
+    config = ModelConfig.from_pretrained(path)
+    options = ModelOptions(block_size=BLOCK)
+    models = {"sparse": load_model(path, config, options)}
+    models["dense"] = _dense_twin(config, options, models["sparse"][1])
+    tokens = _prompts(12, [14, 5])
+    steps = [[(0, 0, 4), (1, 0, 3)], [(0, 4, 5), (1, 3, 5)], [(0, 5, 6)], [(0, 6, 14)]]
+    forward, logits_of = jax.jit(base.forward), jax.jit(base.compute_logits)
+    got = {}
+    for name, (graphdef, state) in models.items():
+        specs = type(nnx.merge(graphdef, state)).cache_specs(config, options)
+        caches = base.allocate(specs, 12)
+        rows = []
+        for step in steps:
+            chunks = [
+                SeqChunk(tuple(tokens[s][a:b]), a, ((1, 2, 3, 4), (5, 6))[s]) for s, a, b in step
+            ]
+            batch = make_batch(chunks, BLOCK, num_tokens=16, num_seqs=2, max_blocks=4)
+            caches, hidden = forward(graphdef, state, caches, batch)
+            n = sum(b - a for _, a, b in step)
+            rows.append(np.asarray(logits_of(graphdef, state, hidden[:n])))
+        got[name] = rows
+    for i, (sparse, dense) in enumerate(zip(got["sparse"][:3], got["dense"][:3], strict=True)):
+        np.testing.assert_allclose(sparse, dense, atol=2e-5, rtol=1e-5, err_msg=f"step {i}")
+    # The last step's positions 6..13 see more than index_topk positions: sparsity changes them.
+    gap = np.abs(got["sparse"][3] - got["dense"][3]).max(axis=-1)
+    assert gap.min() > 1e-2, gap
