@@ -254,10 +254,18 @@ def _check_matches_hf(got, ref, prompts, atol=2e-3):
                     assert abs(ours[t] - lp) < atol, (p, t, ours[t], lp)
 
 
-def test_engine_matches_hf_with_chunked_prefill(v32):
+def _decisions(log):
+    return [m for m in log.records if "sparse_mla_decode ->" in m]
+
+
+def test_engine_matches_hf_with_chunked_prefill(v32, logger_messages):
     path, ref, _ = v32
     # A 16-token budget splits the 17- and 26-token prompts over steps mixed with decodes.
-    llm, got = _run(path, RAGGED, max_num_batched_tokens=16, max_num_seqs=4)
+    with logger_messages("pallas_kernels.backends") as log:
+        llm, got = _run(path, RAGGED, max_num_batched_tokens=16, max_num_seqs=4)
+    # Decided once, when the model was built, with the reason: the kernel does not run on the CPU.
+    (decision,) = _decisions(log)
+    assert "-> reference [rejected pallas: platform 'cpu' not served" in decision, decision
     _check_matches_hf(got, ref, RAGGED)
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.stats)
     assert llm.engine.runner.backends["sparse_mla_decode"].impl == "reference"
@@ -278,14 +286,17 @@ def test_engine_matches_hf_with_prefix_hits_and_preemption_without_chunking(v32)
     assert max(hits) >= 12
 
 
-def test_forced_pallas_sparse_decode_gives_the_reference_tokens(v32):
+def test_forced_pallas_sparse_decode_gives_the_reference_tokens(v32, logger_messages):
     """Decode tokens through the Pallas kernel (interpret mode on the CPU), prefill chunks through
     the masked reference, in steps that mix both: HF's tokens, as with the reference alone."""
     path, ref, _ = v32
     prompts = RAGGED[1:3]
-    llm, got = _run(
-        path, prompts, max_num_batched_tokens=8, max_num_seqs=2, attention_backend="pallas"
-    )
+    with logger_messages("pallas_kernels.backends") as log:
+        llm, got = _run(
+            path, prompts, max_num_batched_tokens=8, max_num_seqs=2, attention_backend="pallas"
+        )
+    (decision,) = _decisions(log)
+    assert "-> pallas (interpret mode) [forced by configuration]" in decision, decision
     choice = llm.engine.runner.backends["sparse_mla_decode"]
     assert (choice.impl, choice.interpret) == ("pallas", True)
     _check_matches_hf(got, ref, prompts, atol=5e-3)
