@@ -255,7 +255,10 @@ def measure(dtype: str, num_requests: int, tmp: str, family: str = "llama") -> d
     prompts, out_lens = workload(num_requests)
     out_tokens = sum(out_lens)
     vlax_s, counts = run_vlax(path, prompts, out_lens, dtype)
+    # Progress on stderr: a CPU run of the HF side can take long after vlax is done.
+    print(f"{family} {dtype} vlax: {out_tokens / vlax_s:.1f} tok/s", file=sys.stderr, flush=True)
     hf_s = run_hf(path, prompts, out_lens, dtype)
+    print(f"{family} {dtype} HF: {out_tokens / hf_s:.1f} tok/s", file=sys.stderr, flush=True)
     prefill_tok, decode_tok = counts["prefill_tokens"], counts["decode_tokens"]
     result = {
         "params": params,
