@@ -33,7 +33,7 @@ from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
 from pallas_kernels.backends import Choice
-from pallas_kernels.bitcast import from_bits, to_bits
+from pallas_kernels.paged_write import write_rows
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, select
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
@@ -128,13 +128,9 @@ def rotate_pe(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) ->
 
 
 def write_latent(cache: jax.Array, latent: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter latent rows [T, D] into the pool [num_blocks, block_size, 1, D]; slot -1 skipped."""
-    nb, bs, _, d = cache.shape
-    n = nb * bs
-    slots = jnp.where(slot_mapping < 0, n, slot_mapping).astype(jnp.int32)
-    flat = to_bits(cache).reshape(n, d)
-    flat = flat.at[slots].set(to_bits(latent.astype(cache.dtype)), mode="drop")
-    return from_bits(flat.reshape(cache.shape), cache.dtype)
+    """Scatter latent rows [T, D] into the pool [num_blocks, block_size, 1, D]; slot -1 skipped.
+    (On the pool's own shape: a flat reshape copied the whole pool every step on XLA:CPU.)"""
+    return write_rows(cache, latent[:, None, :], slot_mapping)
 
 
 def token_sequences(batch: ModelBatch) -> jax.Array:
