@@ -103,15 +103,11 @@ def ragged_paged_attention(
     p = jnp.where(m4, jnp.exp(s - m), 0.0)
     den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
-    vw = vw.astype(jnp.float32)
-    o = jnp.einsum("wkgcl,wlkd->wckgd", p, vw, precision=_precision())
     # Keys a token does not attend (stale pages past the context, keys before its window or past
-    # its causal diagonal) have p = 0, but 0 * NaN is not 0. Every gathered key is in the product,
-    # so a non-finite value anywhere makes `o` non-finite: only then is the product redone with
-    # such values kept out, and the usual all-finite batch pays one check of `o`.
-    o = jax.lax.cond(
-        jnp.all(jnp.isfinite(o)), lambda: o, lambda: _product_of_finite_values(p, vw, mask)
-    )
+    # its causal diagonal) have p = 0, but 0 * NaN is not 0: the product keeps non-finite values
+    # out. Computed every time rather than behind a lax.cond on an all-finite check: on XLA:CPU
+    # the cond cost decode attention +50-65% (it stops the product fusing with what follows).
+    o = _product_of_finite_values(p, vw.astype(jnp.float32), mask)
 
     dest = jnp.where(row_ok, rows, t).reshape(-1)
     out = jnp.zeros((t, hq, d), q.dtype)
