@@ -31,24 +31,33 @@ jitted, with the weights as arguments and the caches donated)
 
 Cache specs
 
-  A spec is one pool: what a group of layers keeps per cached token. Every paged spec shares the
-  request's block table, so one block id means the same token range in every pool and the core
-  hands out blocks without knowing what they hold. The cache byte budget becomes a block count
-  through the sum of the specs' per-block bytes (`bytes_per_block`); the runner logs each pool and
-  its bytes (`describe`).
+  A spec is one pool: what a group of layers keeps, either per cached token (paged) or per running
+  request (state slots). Every paged spec shares the request's block table, so one block id means
+  the same token range in every pool and the core hands out blocks without knowing what they hold.
+  The cache byte budget becomes a block count through the sum of the paged specs' per-block bytes
+  (`bytes_per_block`), after the state specs' slots are set aside (`bytes_per_slot`); the runner
+  logs each pool and its bytes (`describe`).
 
   The cache value is a flat tuple with one entry per layer of each spec, in spec order (spec 0's
-  layers, then spec 1's, ...); an entry is a tuple of that layer's arrays, one per part of its spec,
-  each [num_blocks, *page_shape] with the block axis first. `allocate` builds it and `split_caches`
-  gives a family each spec's entries. The KV offload relies on the block axis coming first: it moves
-  a block as its slice of every array.
+  layers, then spec 1's, ...), paged and state specs alike; an entry is a tuple of that layer's
+  arrays, one per part of its spec. `allocate` builds it and `split_caches` gives a family each
+  spec's entries.
 
   `PagedCacheSpec` covers every paged pool: attention K/V (`paged_kv_spec`: parts k and v, a page of
   [block_size, kv_heads, head_dim]), an MLA latent (one part, one shared head of
-  kv_lora_rank + qk_rope_head_dim) and DSA indexer keys (one part of index_head_dim). Recurrent state
-  (Kimi-Linear's KDA) is not paged; it is planned as a state-slot spec with per-slot bytes, a slot the
-  core hands to exactly one running request, and a budget that sets aside max_num_seqs slots before
-  dividing the rest into blocks.
+  kv_lora_rank + qk_rope_head_dim) and DSA indexer keys (one part of index_head_dim). Its arrays are
+  [num_blocks, *page_shape] with the block axis first; the KV offload relies on that: it moves a
+  block as its slice of every array.
+
+  `StateCacheSpec` is a recurrent state kept per request, not per token (Kimi-Linear's KDA layers:
+  the delta-rule state and the short-convolution tails). Its arrays are [num_slots + 1, *shape], one
+  row per state slot. The core (runtime/core) hands a slot to exactly one running request, from its
+  admission until it finishes, is aborted or is preempted, and names the slots whose new owner
+  starts this step (ModelBatch.state_reset: the model reads zeros for them). Row num_slots is a
+  scratch slot, never handed out, which the batch's padding rows read and write. A slot holds no
+  token history, so a preempted request rebuilds its state by recompute from token 0, and the
+  offload cannot move it (the KV offload refuses models with state specs). `state_specs(specs)` is
+  empty for every model without recurrent state.
 """
 
 from __future__ import annotations
@@ -133,7 +142,69 @@ class PagedCacheSpec:
         )
 
 
-CacheSpec = PagedCacheSpec  # the one kind of pool so far; state slots are planned (see above)
+@dataclass(frozen=True, slots=True)
+class StateCacheSpec:
+    """Per-request recurrent state: for each of `num_layers` layers, one array per part,
+    [num_slots + 1, *shape] (row num_slots is the scratch slot of padding rows)."""
+
+    name: str  # names the pool in logs, e.g. "KDA state"
+    num_layers: int
+    parts: tuple[str, ...]  # the arrays each layer keeps, e.g. ("recurrent", "conv")
+    shapes: tuple[tuple[int, ...], ...]  # one slot of each part, in parts order
+    dtypes: tuple[str, ...]  # each part's dtype, in parts order
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or not self.parts:
+            raise ValueError(
+                f"cache spec {self.name!r}: needs at least one layer and one part, "
+                f"got num_layers={self.num_layers}, parts={self.parts}"
+            )
+        if not len(self.shapes) == len(self.dtypes) == len(self.parts):
+            raise ValueError(
+                f"cache spec {self.name!r}: one shape and one dtype per part; got parts "
+                f"{self.parts}, {len(self.shapes)} shapes, {len(self.dtypes)} dtypes"
+            )
+        for part, shape, dtype in zip(self.parts, self.shapes, self.dtypes, strict=True):
+            if not isinstance(shape, tuple) or any(not isinstance(n, int) or n < 1 for n in shape):
+                raise ValueError(
+                    f"cache spec {self.name!r}: part {part!r} shape must be a tuple of positive "
+                    f"ints, got {shape!r}"
+                )
+            _check_dtype_name(f"cache spec {self.name!r}: part {part!r} dtype", dtype)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        one = sum(
+            math.prod(shape) * jnp.dtype(dtype).itemsize
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+        return self.num_layers * one
+
+    def allocate(self, num_slots: int) -> tuple[tuple[jax.Array, ...], ...]:
+        """num_slots + 1 zeroed rows per array: the last is the padding rows' scratch slot."""
+        if not isinstance(num_slots, int) or num_slots < 0:
+            raise ValueError(f"cache spec {self.name!r}: num_slots must be >= 0, got {num_slots!r}")
+        return tuple(
+            tuple(
+                jnp.zeros((num_slots + 1, *shape), dtype)
+                for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+            )
+            for _ in range(self.num_layers)
+        )
+
+    def describe(self, num_slots: int) -> str:
+        parts = ", ".join(
+            f"{p} {list(sh)} {dt}"
+            for p, sh, dt in zip(self.parts, self.shapes, self.dtypes, strict=True)
+        )
+        return (
+            f"{self.name} {_size((num_slots + 1) * self.bytes_per_slot)} ({num_slots} slots + 1 "
+            f"scratch of {self.bytes_per_slot} bytes; {self.num_layers} "
+            f"layer{'s' if self.num_layers > 1 else ''} x {parts})"
+        )
+
+
+CacheSpec = PagedCacheSpec | StateCacheSpec
 
 
 def paged_kv_spec(
@@ -148,22 +219,49 @@ def paged_kv_spec(
     return PagedCacheSpec(name, num_layers, ("k", "v"), (block_size, num_kv_heads, head_dim), dtype)
 
 
+def paged_specs(specs: Sequence[CacheSpec]) -> tuple[PagedCacheSpec, ...]:
+    return tuple(s for s in specs if isinstance(s, PagedCacheSpec))
+
+
+def state_specs(specs: Sequence[CacheSpec]) -> tuple[StateCacheSpec, ...]:
+    """The specs kept per request (recurrent state); empty for a model without any."""
+    return tuple(s for s in specs if isinstance(s, StateCacheSpec))
+
+
+def has_state(specs: Sequence[CacheSpec]) -> bool:
+    return any(isinstance(s, StateCacheSpec) for s in specs)
+
+
 def bytes_per_block(specs: Sequence[CacheSpec]) -> int:
-    """One block id's bytes over every pool: the unit a cache byte budget is divided by."""
-    if not specs:
-        raise ValueError("a model declares at least one cache spec")
-    sizes = {s.block_size for s in specs}
+    """One block id's bytes over every paged pool: the unit a cache byte budget is divided by."""
+    paged = paged_specs(specs)
+    if not paged:
+        raise ValueError(
+            "a model declares at least one cache spec that is paged, got "
+            + (", ".join(s.name for s in specs) or "none")
+        )
+    sizes = {s.block_size for s in paged}
     if len(sizes) != 1:
         raise ValueError(
             "every paged cache spec shares the block table, so they need one block size; got "
-            + ", ".join(f"{s.name}: {s.block_size}" for s in specs)
+            + ", ".join(f"{s.name}: {s.block_size}" for s in paged)
         )
-    return sum(s.bytes_per_block for s in specs)
+    return sum(s.bytes_per_block for s in paged)
 
 
-def allocate(specs: Sequence[CacheSpec], num_blocks: int) -> tuple:
-    """The zeroed cache value: one entry per layer of each spec, in spec order."""
-    return tuple(entry for spec in specs for entry in spec.allocate(num_blocks))
+def bytes_per_slot(specs: Sequence[CacheSpec]) -> int:
+    """One state slot's bytes over every state pool (0 for a model without recurrent state)."""
+    return sum(s.bytes_per_slot for s in state_specs(specs))
+
+
+def allocate(specs: Sequence[CacheSpec], num_blocks: int, num_slots: int = 0) -> tuple:
+    """The zeroed cache value: one entry per layer of each spec, in spec order (state pools get
+    num_slots + 1 rows, the last the padding rows' scratch slot)."""
+    return tuple(
+        entry
+        for spec in specs
+        for entry in spec.allocate(num_slots if isinstance(spec, StateCacheSpec) else num_blocks)
+    )
 
 
 def split_caches(specs: Sequence[CacheSpec], caches: tuple) -> tuple[tuple, ...]:
@@ -181,12 +279,18 @@ def split_caches(specs: Sequence[CacheSpec], caches: tuple) -> tuple[tuple, ...]
     return tuple(out)
 
 
-def describe(specs: Sequence[CacheSpec], num_blocks: int) -> str:
-    """The cache in one line: its blocks, total bytes, and each pool with its bytes."""
-    block_size = specs[0].block_size
-    total = num_blocks * bytes_per_block(specs)
-    pools = "; ".join(s.describe(num_blocks) for s in specs)
-    return f"{num_blocks} blocks of {block_size} tokens, {_size(total)}: {pools}"
+def describe(specs: Sequence[CacheSpec], num_blocks: int, num_slots: int = 0) -> str:
+    """The cache in one line: its blocks (and state slots), total bytes, and each pool's bytes."""
+    total = num_blocks * bytes_per_block(specs)  # checks there is a paged spec
+    paged = paged_specs(specs)
+    pools = [s.describe(num_blocks) for s in paged]
+    line = f"{num_blocks} blocks of {paged[0].block_size} tokens"
+    states = state_specs(specs)
+    if states:
+        total += (num_slots + 1) * bytes_per_slot(specs)
+        pools += [s.describe(num_slots) for s in states]
+        line += f" and {num_slots} state slots of {bytes_per_slot(specs)} bytes"
+    return f"{line}, {_size(total)}: " + "; ".join(pools)
 
 
 class ModelFamily(Protocol):

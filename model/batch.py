@@ -18,3 +18,7 @@ class ModelBatch:
     cu_q_lens: jax.Array  # int32[S + 1] query start offsets into the flat token axis
     num_seqs: jax.Array  # int32[] sequences actually present
     logits_indices: jax.Array  # int32[R] rows whose logits are wanted (padded with 0)
+    # Recurrent state (model/base.py StateCacheSpec). The runner always fills both; a model
+    # without state specs ignores them (None only from callers that predate state slots).
+    state_slots: jax.Array | None = None  # int32[S] each row's state slot; padding: num_slots
+    state_reset: jax.Array | None = None  # bool[S] the row starts from zero state this step

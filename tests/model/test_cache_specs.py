@@ -75,3 +75,59 @@ def test_bad_specs_and_options_name_the_value():
         ModelOptions(block_size=0)
     with pytest.raises(ValueError, match="cache_dtype must be a dtype name.*'half'"):
         ModelOptions(cache_dtype="half")
+
+
+def _kda_state(layers=3):
+    """A KDA-like state pool: a float32 delta-rule state and a bfloat16 conv tail per slot."""
+    return base.StateCacheSpec(
+        "KDA state", layers, ("recurrent", "conv"), ((2, 16, 16), (3, 96)), ("float32", "bfloat16")
+    )
+
+
+def test_state_spec_bytes_allocation_and_flat_order():
+    kv, latent, _ = _pools()
+    state = _kda_state()
+    assert state.bytes_per_slot == 3 * (2 * 16 * 16 * 4 + 3 * 96 * 2)
+    specs = (latent, state, kv)  # state pools sit in spec order like any other pool
+    assert base.state_specs(specs) == (state,) and base.has_state(specs)
+    assert base.state_specs(_pools()) == () and not base.has_state(_pools())
+    assert base.bytes_per_block(specs) == latent.bytes_per_block + kv.bytes_per_block
+    assert base.bytes_per_slot(specs) == state.bytes_per_slot and base.bytes_per_slot(_pools()) == 0
+    caches = base.allocate(specs, num_blocks=5, num_slots=4)
+    assert len(caches) == 2 + 3 + 3
+    lat, st, kvs = base.split_caches(specs, caches)
+    assert lat[0][0].shape == (5, BLOCK, 1, 576) and kvs[2][1].shape == (5, BLOCK, 2, 64)
+    # num_slots + 1 rows: the last is the scratch slot of padding rows
+    assert [a.shape for a in st[1]] == [(5, 2, 16, 16), (5, 3, 96)]
+    assert [a.dtype for a in st[1]] == [jnp.float32, jnp.bfloat16]
+    assert sum(a.nbytes for entry in st for a in entry) == 5 * base.bytes_per_slot(specs)
+    assert base.allocate(specs, num_blocks=5)[2][0].shape == (
+        1,
+        2,
+        16,
+        16,
+    )  # no slots: scratch only
+    line = base.describe(specs, num_blocks=10, num_slots=4)
+    total = 10 * base.bytes_per_block(specs) + 5 * state.bytes_per_slot
+    assert line.startswith(
+        f"10 blocks of {BLOCK} tokens and 4 state slots of {state.bytes_per_slot} bytes, {total} "
+    )
+    assert f"KDA state {5 * state.bytes_per_slot} bytes" in line
+    assert f"(4 slots + 1 scratch of {state.bytes_per_slot} bytes; 3 layers x recurrent" in line
+    with pytest.raises(ValueError, match="at least one cache spec that is paged, got KDA state"):
+        base.bytes_per_block((state,))
+
+
+def test_bad_state_specs_name_the_value():
+    with pytest.raises(ValueError, match="one shape and one dtype per part"):
+        base.StateCacheSpec("s", 1, ("a", "b"), ((2,),), ("float32", "float32"))
+    with pytest.raises(
+        ValueError, match=r"part 'a' shape must be a tuple of positive ints, got \(2, 0\)"
+    ):
+        base.StateCacheSpec("s", 1, ("a",), ((2, 0),), ("float32",))
+    with pytest.raises(ValueError, match="part 'a' dtype must be a dtype name.*'f32'"):
+        base.StateCacheSpec("s", 1, ("a",), ((2,),), ("f32",))
+    with pytest.raises(ValueError, match="num_layers=0"):
+        base.StateCacheSpec("s", 0, ("a",), ((2,),), ("float32",))
+    with pytest.raises(ValueError, match="num_slots must be >= 0, got -1"):
+        _kda_state().allocate(-1)
