@@ -22,3 +22,6 @@ class ModelBatch:
     # without state specs ignores them (None only from callers that predate state slots).
     state_slots: jax.Array | None = None  # int32[S] each row's state slot; padding: num_slots
     state_reset: jax.Array | None = None  # bool[S] the row starts from zero state this step
+    # BERT token types: 1 marks a cross-encoder pair's second text. The runner fills it for
+    # families that read it; None (every token 0) otherwise.
+    token_type_ids: jax.Array | None = None  # int32[T]
