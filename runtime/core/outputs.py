@@ -7,12 +7,12 @@ the batch order of requests is part of the message (`immutables.Map` iterates in
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from immutables import Map
 
-from runtime.core.request import FinishReason, MultiModalInput, SamplingParams
+from runtime.core.request import FinishReason, MultiModalInput, PoolingParams, SamplingParams
 
 __all__ = [
     "EMPTY_MODEL_RUNNER_OUTPUT",
@@ -48,6 +48,8 @@ class NewRequestData:
     lora_name: str | None = None
     # The request's EOS ids (Request.eos_token_ids): the sampler's min_tokens mask holds them back.
     eos_token_ids: tuple[int, ...] = ()
+    # A pooling request's parameters (resolved for its task); None for a generate request.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,13 @@ class SchedulerOutput:
     finished_req_ids: tuple[str, ...]
     # KV store/load jobs planned this step (runtime/core/kv_jobs/jobs.py), for the offload worker.
     kv_jobs: tuple = ()
+    # Hybrid models (SchedulerConfig.num_state_slots > 0): req id -> its recurrent-state slot,
+    # for every request scheduled this step, in batch order; empty otherwise.
+    state_slots: Mapping[str, int] = field(default_factory=lambda: EMPTY_MAPPING)
+    # Sorted slots whose new owner starts this step (admitted, or re-admitted after preemption
+    # and recomputing from token 0): the runner zeroes them before the forward, so no request
+    # ever starts from the state a previous owner left in its slot.
+    reset_state_slots: tuple[int, ...] = ()
 
     @property
     def req_ids(self) -> tuple[str, ...]:
@@ -135,6 +144,10 @@ class ModelRunnerOutput:
     logprobs: tuple[LogprobsEntry | None, ...] | None = None
     # req id -> logprobs of its prompt positions, given once its prefill completes.
     prompt_logprobs: Map | None = None
+    # Pooling requests: per request (in `req_ids` order) its pooled output once its last prompt
+    # token is computed (an array the core passes on without reading), else None. None: no
+    # pooling request in the step.
+    pooler_output: tuple[object | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.sampled_token_ids):
@@ -147,6 +160,11 @@ class ModelRunnerOutput:
         if self.logprobs is not None and len(self.logprobs) != len(self.req_ids):
             raise ValueError(
                 f"ModelRunnerOutput: {len(self.logprobs)} logprobs entries for "
+                f"{len(self.req_ids)} requests; expected one (or None) per request"
+            )
+        if self.pooler_output is not None and len(self.pooler_output) != len(self.req_ids):
+            raise ValueError(
+                f"ModelRunnerOutput: {len(self.pooler_output)} pooler_output entries for "
                 f"{len(self.req_ids)} requests; expected one (or None) per request"
             )
 
@@ -165,6 +183,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: LogprobsEntry | None = None
     new_prompt_logprobs: LogprobsEntry | None = None
+    # A pooling request's output (the runner's pooler_output entry), in the step it finished.
+    pooling_output: object | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,7 +2,7 @@
 
 Each scheduled request's computed count advances by its scheduled tokens; a request that caught
 up with its tokens gets its sampled token appended and its stop conditions checked. Finished
-requests release their blocks and encoder references and leave the state.
+requests release their blocks, state slots and encoder references and leave the state.
 """
 
 from collections.abc import Sequence
@@ -18,7 +18,8 @@ from runtime.core.scheduling.scheduler_state import (
     hash_extras,
     release_request_inputs,
 )
-from runtime.core.scheduling.stop import check_stop
+from runtime.core.scheduling.stop import POOLED, check_stop
+from runtime.core.state import state_slots as ss
 
 __all__ = ["remove_finished", "update"]
 
@@ -45,6 +46,7 @@ def update(
     sampled_rows = runner_output.sampled_token_ids
     logprob_rows = runner_output.logprobs
     prompt_logprobs = runner_output.prompt_logprobs
+    pooler_rows = runner_output.pooler_output
     encoder = state.encoder
     changed: dict[str, Request] = {}
     finished: list[Request] = []
@@ -67,15 +69,24 @@ def update(
         computed = request.num_computed_tokens + num_tokens
         output_ids = request.output_token_ids
         total = len(request.prompt_token_ids) + len(output_ids)
+        pooled = None
         if computed < total:
-            if sampled:
+            if sampled or (pooler_rows is not None and pooler_rows[row] is not None):
                 raise SchedulerError(
                     f"update(step {step}): request {request_id!r} is mid-prefill "
-                    f"({computed} of {total} tokens) but the runner sampled {sampled}"
+                    f"({computed} of {total} tokens) but the runner sampled {sampled} or "
+                    "pooled it"
                 )
             new = evolve(request, num_computed_tokens=computed)
             new_ids = ()
             stop = None
+        elif request.pooling_params is not None:
+            # Prefill-only: the step that computes the last prompt token pools it, and the
+            # request finishes in that step (vLLM: FINISHED_STOPPED once pooler output exists).
+            pooled = _pooled(step, request_id, sampled, pooler_rows, row)
+            new = evolve(request, num_computed_tokens=computed)
+            new_ids = ()
+            stop = POOLED
         else:
             new_ids = _one_token(step, request_id, sampled)
             output_ids = output_ids + new_ids
@@ -104,7 +115,7 @@ def update(
         else:
             changed[request_id] = new
         prompt_entry = None if prompt_logprobs is None else prompt_logprobs.get(request_id)
-        if new_ids or prompt_entry is not None:
+        if new_ids or prompt_entry is not None or pooled is not None:
             outputs.append(
                 EngineCoreOutput(
                     request_id,
@@ -113,6 +124,7 @@ def update(
                     new.stop_reason,
                     None if logprob_rows is None else logprob_rows[row],
                     prompt_entry,
+                    pooled,
                 )
             )
     if changed:
@@ -129,6 +141,17 @@ def update(
         position = {request_id: index for index, request_id in enumerate(state.running)}
         finished.sort(key=lambda request: position.get(request.request_id, len(position)))
     return remove_finished(new_state, finished), tuple(outputs)
+
+
+def _pooled(step: int, request_id: str, sampled: tuple, pooler_rows, row: int) -> object:
+    pooled = None if pooler_rows is None else pooler_rows[row]
+    if sampled or pooled is None:
+        raise SchedulerError(
+            f"update(step {step}): pooling request {request_id!r} computed its whole prompt and "
+            f"expects its pooled output and no sampled token, got sampled={sampled!r} and "
+            f"{'no' if pooled is None else 'a'} pooled output"
+        )
+    return pooled
 
 
 def _one_token(step: int, request_id: str, sampled: tuple[int, ...]) -> tuple[int, ...]:
@@ -174,14 +197,17 @@ class _Tokens(Sequence):
 
 
 def remove_finished(state: SchedulerState, finished: list[Request]) -> SchedulerState:
-    """Drop finished requests from the state, releasing their blocks and encoder references."""
+    """Drop finished requests from the state, releasing their blocks, state slots and encoder
+    references."""
     if not finished:
         return state
-    kv, encoder, ids = state.kv, state.encoder, set()
+    kv, encoder, slots, ids = state.kv, state.encoder, state.state_slots, set()
     for request in finished:
         request_id = request.request_id
         if kvc.has_request(kv, request_id):
             kv = kvc.free(kv, request_id)
+        if slots is not None and ss.slot_of(slots, request_id) is not None:
+            slots = ss.release(slots, request_id)
         encoder = release_request_inputs(encoder, request)
         ids.add(request_id)
     with state.requests.mutate() as mutable:
@@ -199,6 +225,7 @@ def remove_finished(state: SchedulerState, finished: list[Request]) -> Scheduler
         finished_since_last=state.finished_since_last
         + tuple(r.request_id for r in finished if r.request_id not in reported),
         kv_jobs=detach_finished(state, ids),
+        state_slots=slots,
     )
 
 

@@ -6,6 +6,11 @@ when blocks run out, preempt by recompute (FCFS: the last admitted; priority: th
 which may be the request itself, and then the loop goes on with the next one). Waiting requests
 next, head of the queue first, and only if nothing was preempted this step.
 
+Hybrid models (config.num_state_slots > 0): a request is admitted only with a free
+recurrent-state slot besides its blocks, and holds it while it runs; a preempted request gives
+it back (its state is rebuilt by recompute from token 0). The output names each scheduled
+request's slot and the slots whose new owner starts this step (to be zeroed first).
+
 `num_computed_tokens` of the returned state is still the count before this step; `update` adds
 the scheduled tokens once the runner has computed them.
 """
@@ -22,7 +27,13 @@ from runtime.core.kv_jobs.scheduler_hooks import (
     stored_beyond,
     take_up_load,
 )
-from runtime.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput, frozen_mapping
+from runtime.core.outputs import (
+    EMPTY_MAPPING,
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    frozen_mapping,
+)
 from runtime.core.request import Request, RequestStatus, evolve
 from runtime.core.scheduling.encoder_scheduling import (
     assign_encoder_work,
@@ -37,6 +48,7 @@ from runtime.core.scheduling.scheduler_state import (
     release_request_inputs,
     with_waiting,
 )
+from runtime.core.state import state_slots as ss
 
 __all__ = ["schedule"]
 
@@ -59,6 +71,7 @@ class _Step:
         "num_scheduled",
         "preempted",
         "running",
+        "slots",
         "threshold",
         "token_budget",
         "waiting",
@@ -75,6 +88,8 @@ class _Step:
         # KV jobs (None without a KV store) and the loads started this step.
         self.jobs = state.kv_jobs
         self.loads: list = []
+        # Recurrent-state slots (None: the model keeps no per-request state).
+        self.slots = state.state_slots
         self.token_budget = state.config.max_num_batched_tokens
         # The long-prefill cap keeps one prefill from starving the others; with a single
         # request there is nobody to starve (vLLM lifts it then too; requests holding blocks
@@ -222,6 +237,8 @@ def _victim_position(step: _Step) -> int:
 def _preempt(step: _Step, request_id: str) -> None:
     request = step.get(request_id)
     step.kv = kvc.free(step.kv, request_id)
+    if step.slots is not None:
+        step.slots = ss.release(step.slots, request_id)
     step.encoder = release_request_inputs(step.encoder, request)
     step.changed[request_id] = evolve(
         request,
@@ -253,6 +270,10 @@ def _schedule_waiting(step: _Step) -> None:
     kept: list[str] = []
     passed: list[str] = []
     while step.token_budget > 0 and len(step.running) < config.max_num_seqs:
+        if step.slots is not None and not step.slots.free:
+            # Every state slot is held by a running request: like a full batch, nobody else
+            # can be admitted (or start a KV load) this step.
+            break
         if next_holding < len(holding):
             request_id = holding[next_holding]
             next_holding += 1
@@ -335,6 +356,8 @@ def _admit(step: _Step, request: Request, holding: tuple[str, ...] | list[str]) 
     if not isinstance(result, kvc.Allocated):
         return _STOP
     step.kv = result.state
+    if step.slots is not None:
+        step.slots, _ = ss.take(step.slots, request_id)
     step.running.append(request_id)
     step.changed[request_id] = evolve(
         request, status=RequestStatus.RUNNING, num_computed_tokens=computed
@@ -437,9 +460,20 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
                 num_computed_tokens=request.num_computed_tokens,
                 lora_name=request.lora_name,
                 eos_token_ids=request.eos_token_ids,
+                pooling_params=request.pooling_params,
             )
         )
         num_scheduled[request_id] = num_tokens
+    if step.slots is None:
+        state_slots, reset_state_slots = EMPTY_MAPPING, ()
+    else:
+        owners = step.slots.owners
+        state_slots = frozen_mapping(
+            {request_id: owners[request_id] for request_id in num_scheduled}
+        )
+        # Every admitted request starts its state from zero: a new one, and a resumed one, which
+        # recomputes from token 0 (prefix caching is off with state slots).
+        reset_state_slots = tuple(sorted(owners[request_id] for request_id, _, _ in step.admitted))
     output = SchedulerOutput(
         step=state.step,
         scheduled_new_reqs=tuple(new),
@@ -450,6 +484,8 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         free_encoder_hashes=to_free,
         preempted_req_ids=tuple(step.preempted),
         finished_req_ids=state.finished_since_last,
+        state_slots=state_slots,
+        reset_state_slots=reset_state_slots,
     )
     requests = state.requests
     if step.changed:
@@ -468,5 +504,6 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         finished_since_last=(),
         awaiting_update=state.step,
         kv_jobs=step.jobs,
+        state_slots=step.slots,
     )
     return new_state, output

@@ -33,6 +33,10 @@ class SchedulerConfig:
     # In encoder embeddings; None = max_num_batched_tokens (vLLM's default).
     encoder_cache_size: int | None = None
     encoder_compute_budget: int | None = None
+    # Recurrent-state slots of a hybrid model (runtime/core/state/state_slots.py): 0 = the model
+    # keeps no per-request state; n > 0: slots 0..n-1, one held by each running request, so at
+    # most n requests run at once.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -42,6 +46,7 @@ class SchedulerConfig:
             ("block_size", 1),
             ("num_blocks", 2),
             ("long_prefill_token_threshold", 0),
+            ("num_state_slots", 0),
         ):
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
@@ -75,6 +80,13 @@ class SchedulerConfig:
                 f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens} is below "
                 f"max_model_len={self.max_model_len} with chunked prefill off: a longer prompt "
                 "could never be scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )
+        if self.num_state_slots and self.enable_prefix_caching:
+            raise SchedulerConfigError(
+                f"SchedulerConfig.enable_prefix_caching=True with num_state_slots="
+                f"{self.num_state_slots}: a prefix hit would skip the tokens a request's recurrent "
+                "state is built from, and hybrid prefix caching (state checkpoints per block) is "
+                "not built; set enable_prefix_caching=False for a model with state slots"
             )
         usable = (self.num_blocks - 1) * self.block_size
         if usable < self.max_model_len:

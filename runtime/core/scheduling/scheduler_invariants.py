@@ -9,6 +9,7 @@ from runtime.core.kv_jobs import jobs as kj
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import RequestStatus
 from runtime.core.scheduling.scheduler_state import SchedulerState, hash_extras, priority_key
+from runtime.core.state import state_slots as ss
 
 __all__ = ["check_output", "check_state"]
 
@@ -49,6 +50,7 @@ def check_state(state: SchedulerState) -> None:
     )
     if jobs is not None:
         _check_holding(state)
+    _check_state_slots(state)
     for request_id in waiting:
         request = state.requests[request_id]
         _require(
@@ -92,6 +94,24 @@ def check_state(state: SchedulerState) -> None:
                 f"encoder entry {content_hash!r} referenced by {(request_id, position)}, which is "
                 "not a running request's input with that hash",
             )
+
+
+def _check_state_slots(state: SchedulerState) -> None:
+    """Hybrid models: owned slots are disjoint, free + owned = all slots, and the owners are
+    exactly the running requests (waiting, preempted and holding ones hold none)."""
+    slots, num_slots = state.state_slots, state.config.num_state_slots
+    if not num_slots:
+        _require(slots is None, f"state slots {slots} without config.num_state_slots")
+        return
+    _require(
+        slots is not None and slots.num_slots == num_slots,
+        f"state slots {slots}, expected a pool of config.num_state_slots={num_slots}",
+    )
+    ss.check_invariants(slots)
+    _require(
+        set(slots.owners) == set(state.running),
+        f"state slot owners {sorted(slots.owners)} != running {sorted(state.running)}",
+    )
 
 
 def _check_holding(state: SchedulerState) -> None:
@@ -239,4 +259,61 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
         _require(
             request_id in after.requests or not kvc.has_request(after.kv, request_id),
             f"finished {request_id!r} still holds blocks",
+        )
+    _check_output_slots(before, after, output)
+
+
+def _check_output_slots(
+    before: SchedulerState, after: SchedulerState, output: SchedulerOutput
+) -> None:
+    """Each scheduled request runs on the slot it holds; a slot changes owner only through a
+    reset: every request admitted this step (so every one scheduled from token 0) starts on a
+    slot that was free before the step and is zeroed first."""
+    slots = after.state_slots
+    if slots is None:
+        _require(
+            not output.state_slots and not output.reset_state_slots,
+            f"state slots {dict(output.state_slots)} / resets {output.reset_state_slots} "
+            "without config.num_state_slots",
+        )
+        return
+    scheduled = output.num_scheduled_tokens
+    _require(
+        tuple(output.state_slots) == tuple(scheduled),
+        f"state_slots names {tuple(output.state_slots)}, expected the scheduled requests "
+        f"{tuple(scheduled)} in batch order",
+    )
+    for request_id, slot in output.state_slots.items():
+        _require(
+            ss.slot_of(slots, request_id) == slot,
+            f"{request_id!r} scheduled on state slot {slot}, but holds "
+            f"{ss.slot_of(slots, request_id)}",
+        )
+    admitted = [c.req_id for c in output.scheduled_cached_reqs if c.resumed_from_preemption]
+    admitted += [n.req_id for n in output.scheduled_new_reqs]
+    expected = tuple(sorted(output.state_slots[request_id] for request_id in admitted))
+    _require(
+        output.reset_state_slots == expected,
+        f"reset_state_slots {output.reset_state_slots}, expected the slots {expected} of the "
+        f"requests admitted this step {admitted}",
+    )
+    fresh = set(before.state_slots.free)
+    for request_id in admitted:
+        slot = output.state_slots[request_id]
+        _require(
+            slot in fresh,
+            f"{request_id!r} admitted on state slot {slot}, which was not free before the step "
+            f"(held by {[r for r, s in before.state_slots.owners.items() if s == slot]})",
+        )
+    for request_id in scheduled:
+        _require(
+            after.requests[request_id].num_computed_tokens > 0
+            or output.state_slots[request_id] in output.reset_state_slots,
+            f"{request_id!r} starts from token 0 on state slot {output.state_slots[request_id]}, "
+            "which is not reset",
+        )
+    for request_id in output.preempted_req_ids:
+        _require(
+            ss.slot_of(slots, request_id) is None,
+            f"preempted {request_id!r} still holds state slot {ss.slot_of(slots, request_id)}",
         )

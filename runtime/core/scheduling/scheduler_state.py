@@ -16,6 +16,7 @@ from runtime.core.kv import kv_cache as kvc
 from runtime.core.kv_jobs.jobs import KVJobs
 from runtime.core.request import Request
 from runtime.core.scheduling.scheduler_config import SchedulerConfig
+from runtime.core.state.state_slots import StateSlots, make_state_slots
 
 __all__ = [
     "SchedulerError",
@@ -52,6 +53,9 @@ class SchedulerState:
     awaiting_update: int | None
     # KV store/load jobs (runtime/core/kv_jobs/scheduler_hooks.py); None when no KV store is used.
     kv_jobs: KVJobs | None = None
+    # Recurrent-state slots, held by exactly the running requests; None when the model keeps no
+    # per-request state (config.num_state_slots == 0).
+    state_slots: StateSlots | None = None
 
     def __repr__(self) -> str:
         return (
@@ -79,6 +83,7 @@ def make_scheduler(config: SchedulerConfig) -> SchedulerState:
         step=0,
         finished_since_last=(),
         awaiting_update=None,
+        state_slots=make_state_slots(config.num_state_slots) if config.num_state_slots else None,
     )
 
 

@@ -1,0 +1,1 @@
+"""Per-request recurrent state of hybrid models: the pool of state slots the scheduler hands out."""
