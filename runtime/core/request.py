@@ -11,10 +11,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from runtime.core.kv.block_pool import BlockHash
+from runtime.core.pooling_params import PoolingParams
 
 __all__ = [
     "FinishReason",
     "MultiModalInput",
+    "PoolingParams",
     "Request",
     "RequestStatus",
     "SamplingParams",
@@ -277,8 +279,13 @@ class Request:
     block_hashes: tuple[BlockHash, ...] = ()
     stop_reason: int | str | None = None
     finish_reason: FinishReason | None = None
+    # A pooling request (embed, classify, score, encode), resolved for its task: prefill-only,
+    # it finishes in the step that computes its last prompt token, with the pooled output, and
+    # never decodes. None: a generate request (its sampling_params apply).
+    pooling_params: PoolingParams | None = None
     # Whether admission ignores prefix-cache hits and KV-store loads: decided once, from the
-    # sampling parameters (see SamplingParams.skip_reading_prefix_cache).
+    # sampling parameters (see SamplingParams.skip_reading_prefix_cache), or for a pooling
+    # request from its pooling parameters.
     skip_reading_prefix_cache: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
@@ -316,6 +323,17 @@ class Request:
         set_(self, "block_hashes", tuple(self.block_hashes))
         if self.finish_reason is not None and not isinstance(self.finish_reason, FinishReason):
             raise _bad(own, "finish_reason", self.finish_reason, "a FinishReason or None")
+        pooling = self.pooling_params
+        if pooling is not None:
+            if not isinstance(pooling, PoolingParams) or pooling.task is None:
+                raise _bad(
+                    own,
+                    "pooling_params",
+                    pooling,
+                    "None or a PoolingParams resolved for its task (PoolingParams.verify)",
+                )
+            set_(self, "skip_reading_prefix_cache", bool(pooling.skip_reading_prefix_cache))
+            return
         params = self.sampling_params
         skip = params.skip_reading_prefix_cache
         set_(self, "skip_reading_prefix_cache", params.prompt_logprobs is not None or bool(skip))
@@ -401,5 +419,6 @@ def evolve(
     _set(out, "block_hashes", r.block_hashes if block_hashes is _KEEP else block_hashes)
     _set(out, "stop_reason", r.stop_reason if stop_reason is _KEEP else stop_reason)
     _set(out, "finish_reason", r.finish_reason if finish_reason is _KEEP else finish_reason)
+    _set(out, "pooling_params", r.pooling_params)
     _set(out, "skip_reading_prefix_cache", r.skip_reading_prefix_cache)
     return out

@@ -71,9 +71,17 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
             f"{request.num_output_tokens} output and {request.num_computed_tokens} computed tokens"
         )
     config = state.config
-    if request.num_prompt_tokens >= config.max_model_len:
+    num_prompt = request.num_prompt_tokens
+    if request.pooling_params is not None:
+        # Prefill-only: a pooling prompt may fill max_model_len, as nothing is generated.
+        if num_prompt > config.max_model_len:
+            raise SchedulerError(
+                f"add_request({request_id!r}): pooling prompt of {num_prompt} tokens is longer "
+                f"than max_model_len={config.max_model_len}"
+            )
+    elif num_prompt >= config.max_model_len:
         raise SchedulerError(
-            f"add_request({request_id!r}): prompt of {request.num_prompt_tokens} tokens leaves no "
+            f"add_request({request_id!r}): prompt of {num_prompt} tokens leaves no "
             f"room to generate within max_model_len={config.max_model_len}"
         )
     for item in request.mm_inputs:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from runtime.core.request import FinishReason, Request, RequestStatus
 
-__all__ = ["Stop", "check_stop"]
+__all__ = ["POOLED", "Stop", "check_stop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,8 @@ class Stop:
 
 _LENGTH = Stop(RequestStatus.FINISHED_LENGTH_CAPPED, FinishReason.LENGTH)
 _EOS = Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+# How a pooling request ends: in the step that pooled its prompt (vLLM: finish reason "stop").
+POOLED = Stop(RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
 
 
 def check_stop(request: Request, max_model_len: int) -> Stop | None:
