@@ -145,6 +145,35 @@ MUTANTS: tuple[Mutant, ...] = (
         "step.encoder = encoder",
         CORE,
     ),
+    # ---- core: recurrent-state slots (hybrid models)
+    Mutant(
+        "slots_preempted_request_keeps_its_slot",
+        SS,
+        "step.slots = ss.release(step.slots, request_id)",
+        "step.slots = step.slots",
+        CORE,
+    ),
+    Mutant(
+        "slots_admission_ignores_the_free_count",
+        SS,
+        "if step.slots is not None and not step.slots.free:",
+        "if False:",
+        CORE,
+    ),
+    Mutant(
+        "slots_resumed_request_not_reset",
+        SS,
+        "reset_state_slots = tuple(sorted(owners[request_id] for request_id, _, _ in step.admitted))",
+        "reset_state_slots = tuple(sorted(owners[r] for r, resumed, _ in step.admitted if not resumed))",
+        CORE,
+    ),
+    Mutant(
+        "slots_finished_request_keeps_its_slot",
+        UP,
+        "slots = ss.release(slots, request_id)",
+        "slots = slots",
+        CORE,
+    ),
     # ---- core: encoder inputs and cache
     Mutant(
         "enc_input_starting_at_chunk_end_runs_early",

@@ -9,7 +9,8 @@ _REQUEST_FIELDS = ("status", "num_computed_tokens", "num_output_tokens", "num_pr
 
 
 def state_diff(before: SchedulerState, after: SchedulerState) -> dict:
-    """A dict of what differs: queues, per-request progress, KV blocks and encoder entries.
+    """A dict of what differs: queues, per-request progress, KV blocks, state slots (request id ->
+    (old slot, new slot)) and encoder entries.
 
     Unchanged parts are left out. Requests compare by identity first, so the cost is that of the
     requests that changed plus one pass over the ids."""
@@ -42,6 +43,16 @@ def state_diff(before: SchedulerState, after: SchedulerState) -> dict:
             tables[request_id] = (old, new)
     if tables:
         diff["block_tables"] = tables
+    if before.state_slots is not after.state_slots:
+        old = dict(before.state_slots.owners) if before.state_slots is not None else {}
+        new = dict(after.state_slots.owners) if after.state_slots is not None else {}
+        slots = {
+            request_id: (old.get(request_id), new.get(request_id))
+            for request_id in sorted(set(old) | set(new))
+            if old.get(request_id) != new.get(request_id)
+        }
+        if slots:
+            diff["state_slots"] = slots
     counts = {
         "free_blocks": (before.kv.pool.num_free, after.kv.pool.num_free),
         "cached_blocks": (

@@ -267,7 +267,7 @@ def _check_output_slots(
     before: SchedulerState, after: SchedulerState, output: SchedulerOutput
 ) -> None:
     """Each scheduled request runs on the slot it holds; a slot changes owner only through a
-    reset: every request admitted this step (so every one scheduled from token 0) starts on a
+    reset: every request admitted this step (exactly those scheduled from token 0) starts on a
     slot that was free before the step and is zeroed first."""
     slots = after.state_slots
     if slots is None:
@@ -304,6 +304,12 @@ def _check_output_slots(
             slot in fresh,
             f"{request_id!r} admitted on state slot {slot}, which was not free before the step "
             f"(held by {[r for r, s in before.state_slots.owners.items() if s == slot]})",
+        )
+        # A zeroed state is right only for a request that computes from its first token.
+        _require(
+            after.requests[request_id].num_computed_tokens == 0,
+            f"{request_id!r} admitted on a zeroed state slot with "
+            f"{after.requests[request_id].num_computed_tokens} tokens already computed",
         )
     for request_id in scheduled:
         _require(

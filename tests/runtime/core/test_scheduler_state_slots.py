@@ -16,7 +16,8 @@ from scheduler_driver import (
 )
 
 from runtime.core import scheduler as sch
-from runtime.core.devtools.synthetic_runner import make_slot_states
+from runtime.core.devtools.state_diff import state_diff
+from runtime.core.devtools.synthetic_runner import make_slot_states, recurrent_runner_output
 from runtime.core.outputs import EMPTY_MAPPING, ModelRunnerOutput
 from runtime.core.request import RequestStatus
 
@@ -156,3 +157,14 @@ def test_regression_preempted_then_its_slot_reused_by_another_request_in_the_rea
     _, _, _, after = hybrid_run(state, slots, honour_resets=False)
     assert after["y"] == tokens["y"][len(before["y"]) :]
     assert before["a"] + after["a"] != tokens["a"] and after["d"] != tokens["d"]
+
+
+def test_state_diff_names_the_slots_that_changed_owner():
+    state = add(hybrid(1), request("a", 4, 1), request("b", 4, 1))
+    scheduled, out = schedule(state)
+    assert state_diff(state, scheduled)["state_slots"] == {"a": (None, 0)}
+    runner = recurrent_runner_output(make_slot_states(1), scheduled, out)[1]
+    finished, _ = sch.update(scheduled, out, runner)  # a's one token: it finishes
+    assert state_diff(scheduled, finished)["state_slots"] == {"a": (0, None)}
+    assert state_diff(finished, schedule(finished)[0])["state_slots"] == {"b": (None, 0)}
+    assert "state_slots" not in state_diff(finished, finished)

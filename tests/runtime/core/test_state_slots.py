@@ -3,8 +3,9 @@
 import pytest
 from immutables import Map
 
+from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs
 from runtime.core.scheduling.scheduler_config import SchedulerConfig, SchedulerConfigError
-from runtime.core.scheduling.scheduler_state import make_scheduler
+from runtime.core.scheduling.scheduler_state import SchedulerError, make_scheduler
 from runtime.core.state import state_slots as ss
 
 BASE = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64, "block_size": 4}
@@ -62,3 +63,6 @@ def test_config_num_state_slots():
     with pytest.raises(SchedulerConfigError, match="enable_prefix_caching=True with num_state"):
         SchedulerConfig(**BASE, num_blocks=17, num_state_slots=2)
     assert issubclass(SchedulerConfigError, ValueError)
+    # Nor can a KV load skip tokens: KV jobs are keyed by prefix-cache hashes.
+    with pytest.raises(SchedulerError, match="enable_prefix_caching=True"):
+        enable_kv_jobs(make_scheduler(config))
