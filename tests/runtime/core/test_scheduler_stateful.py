@@ -4,6 +4,12 @@ After every transition the ARCHITECTURE.md invariants hold; every request that i
 finishes with exactly the tokens a model run alone would give it, whatever the interleaving
 (chunking, preemption, prefix hits) did to it. The same holds for whole workloads under the priority
 policy (random priorities, arrivals over time, aborts) on a pool that preempts often.
+
+Hybrid configurations (num_state_slots > 0, some with fewer slots than max_num_seqs so the slot
+check binds) run a synthetic recurrent model instead: each request's tokens go through the state
+in its slot and the next token depends on that state alone, so a request that started from a state
+it did not build (a slot not reset, or inherited from a preempted or finished owner) or lost a chunk
+finishes with other tokens than it gets run alone.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +17,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.core import scheduler as sch
-from runtime.core.devtools.synthetic_runner import runner_output
+from runtime.core.devtools.synthetic_runner import (
+    ZERO_STATE,
+    absorb,
+    make_slot_states,
+    recurrent_runner_output,
+    runner_output,
+)
 from runtime.core.request import FinishReason, MultiModalInput, Request, SamplingParams
 from runtime.core.scheduling.scheduler_invariants import check_output, check_state
 
@@ -29,6 +41,23 @@ CONFIGS = [
     {"policy": "priority", "enable_prefix_caching": False},
     {"policy": "fcfs", "enable_chunked_prefill": False, "max_num_batched_tokens": 40},
     {"policy": "priority", "enable_chunked_prefill": False, "max_num_batched_tokens": 40},
+    # hybrid models (prefix caching is off with state slots); max_num_seqs is 3
+    {"policy": "fcfs", "enable_prefix_caching": False, "num_state_slots": 3},
+    {"policy": "fcfs", "enable_prefix_caching": False, "num_state_slots": 2},
+    {
+        "policy": "priority",
+        "enable_prefix_caching": False,
+        "num_state_slots": 2,
+        "long_prefill_token_threshold": 6,
+    },
+    {"policy": "priority", "enable_prefix_caching": False, "num_state_slots": 1},
+    {
+        "policy": "fcfs",
+        "enable_prefix_caching": False,
+        "num_state_slots": 2,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 40,
+    },
 ]
 
 
@@ -37,12 +66,20 @@ def model_token(request: Request) -> int:
     return (request.num_tokens * 7 + len(request.prompt_token_ids)) % 11 + 3
 
 
-def alone(request: Request) -> tuple[tuple[int, ...], FinishReason]:
+def hybrid_token(state: tuple[int, int]) -> int:
+    """The synthetic hybrid model: the next token depends only on the recurrent state."""
+    return state[1] % 11 + 3
+
+
+def alone(request: Request, hybrid: bool = False) -> tuple[tuple[int, ...], FinishReason]:
     """What the request generates when run alone (the oracle, written independently)."""
     params, out = request.sampling_params, []
     while True:
-        probe = Request("probe", request.prompt_token_ids, output_token_ids=tuple(out))
-        token = model_token(probe)
+        if hybrid:
+            token = hybrid_token(absorb(ZERO_STATE, request.prompt_token_ids + tuple(out)))
+        else:
+            probe = Request("probe", request.prompt_token_ids, output_token_ids=tuple(out))
+            token = model_token(probe)
         out.append(token)
         total = len(request.prompt_token_ids) + len(out)
         if len(out) >= params.min_tokens and (
@@ -68,6 +105,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             **overrides,
         }
         self.state = sch.make_scheduler(sch.SchedulerConfig(**config))
+        self.hybrid = bool(self.state.config.num_state_slots)
+        # The device's state pool, as the synthetic recurrent runner leaves it.
+        self.slot_states = make_slot_states(self.state.config.num_state_slots)
         self.pending = None
         self.arrivals = 0
         self.live: dict[str, Request] = {}  # lifecycles not yet finished
@@ -127,9 +167,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def update(self):
         out, self.pending = self.pending, None
-        self.state, outputs = sch.update(
-            self.state, out, runner_output(self.state, out, model_token)
-        )
+        if self.hybrid:
+            self.slot_states, runner = recurrent_runner_output(
+                self.slot_states, self.state, out, hybrid_token
+            )
+        else:
+            runner = runner_output(self.state, out, model_token)
+        self.state, outputs = sch.update(self.state, out, runner)
         self._collect(outputs)
 
     @precondition(lambda self: self.pending is None)
@@ -155,7 +199,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.tokens[o.req_id] += o.new_token_ids
             if o.finished:
                 request = self.live.pop(o.req_id)
-                assert (self.tokens[o.req_id], o.finish_reason) == alone(request), o.req_id
+                expected = alone(request, self.hybrid)
+                assert (self.tokens[o.req_id], o.finish_reason) == expected, o.req_id
 
     @invariant()
     def holds(self):
@@ -176,10 +221,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.live, f"never finished: {sorted(self.live)}"
         assert self.state.kv.pool.num_free == self.state.kv.pool.num_blocks - 1
         assert all(not e.refs for e in self.state.encoder.entries.values())
+        if self.hybrid:
+            slots = self.state.state_slots
+            assert slots.free == tuple(range(slots.num_slots)) and not slots.owners
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=170,
     stateful_step_count=50,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -193,6 +241,9 @@ PRIORITY_CONFIGS = [
     {"long_prefill_token_threshold": 6},
     {"enable_prefix_caching": False},
     {"enable_chunked_prefill": False, "max_num_batched_tokens": 40},
+    # hybrid models: max_num_seqs is 4
+    {"enable_prefix_caching": False, "num_state_slots": 4},
+    {"enable_prefix_caching": False, "num_state_slots": 2, "long_prefill_token_threshold": 6},
 ]
 ARRIVALS = st.tuples(
     st.integers(0, 40),  # arrival step
@@ -203,7 +254,7 @@ ARRIVALS = st.tuples(
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     overrides=st.sampled_from(PRIORITY_CONFIGS),
     arrivals=st.lists(ARRIVALS, min_size=2, max_size=10),
@@ -223,6 +274,8 @@ def test_priority_workloads_run_to_completion(overrides, arrivals, aborts):
         **overrides,
     }
     state = sch.make_scheduler(sch.SchedulerConfig(**config))
+    hybrid = bool(state.config.num_state_slots)
+    slot_states = make_slot_states(state.config.num_state_slots)
     arrivals = sorted(enumerate(arrivals), key=lambda item: item[1][0])
     live, tokens = {}, {}
     for step in range(600):
@@ -248,12 +301,16 @@ def test_priority_workloads_run_to_completion(overrides, arrivals, aborts):
         scheduled, out = sch.schedule(state)
         check_state(scheduled)
         check_output(state, scheduled, out)
-        state, outputs = sch.update(scheduled, out, runner_output(scheduled, out, model_token))
+        if hybrid:
+            slot_states, runner = recurrent_runner_output(slot_states, scheduled, out, hybrid_token)
+        else:
+            runner = runner_output(scheduled, out, model_token)
+        state, outputs = sch.update(scheduled, out, runner)
         for o in outputs:
             tokens[o.req_id] += o.new_token_ids
             if o.finished:
                 request = live.pop(o.req_id)
-                assert (tokens[o.req_id], o.finish_reason) == alone(request), o.req_id
+                assert (tokens[o.req_id], o.finish_reason) == alone(request, hybrid), o.req_id
     assert not live and not arrivals, f"never finished: {sorted(live)}"
     check_state(state)
     assert state.kv.pool.num_free == state.kv.pool.num_blocks - 1
