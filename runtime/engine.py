@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from model import base
 from model.config import ModelConfig
 from runtime.config import ConfigError, EngineConfig
 from runtime.core import scheduler as sched
@@ -33,7 +34,7 @@ from runtime.input_processor import InputProcessor, ProcessedRequest
 from runtime.output_processor import OutputProcessor
 from runtime.request_output import RequestOutput
 from runtime.runner.errors import RequestFailed, RunnerLost
-from runtime.runner.model_runner import ModelRunner
+from runtime.runner.model_runner import ModelRunner, model_cache_specs, model_options
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Engine:
                 f"without chunked prefill max_num_batched_tokens={max_batched} must be at least "
                 f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
             )
+        enable_prefix_caching = self._check_state_specs(config, model_config)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
@@ -125,7 +127,8 @@ class Engine:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
+                num_state_slots=self.runner.num_state_slots,
+                enable_prefix_caching=enable_prefix_caching,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy,
@@ -149,6 +152,33 @@ class Engine:
         self._arrival = itertools.count()
         # The failure that ended the engine, if one did.
         self._dead: BaseException | None = None
+
+    @staticmethod
+    def _check_state_specs(config: EngineConfig, model_config: ModelConfig) -> bool:
+        """For a model that keeps per-request recurrent state (state cache specs): refuse KV
+        offload, and turn prefix caching off with its reason logged. Returns whether prefix
+        caching is on. Decided from the family's cache specs, before any weight is loaded."""
+        options = model_options(model_config, config.block_size, config.attention_backend)
+        states = base.state_specs(model_cache_specs(model_config, options))
+        if not states:
+            return config.enable_prefix_caching
+        pools = ", ".join(s.name for s in states)
+        if config.kv_offload is not None:
+            raise ConfigError(
+                f"{config.model}: {model_config.architecture} keeps per-request recurrent state "
+                f"({pools}) in state slots, and KV offload moves only KV blocks: a request loading "
+                "its prefix from the store would start without the state of those tokens. "
+                f"kv_offload={config.kv_offload!r} is refused for this model; run it without "
+                "kv_offload"
+            )
+        if config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off for %s: its recurrent state (%s) is not checkpointed at "
+                "block boundaries, so a prefix hit would skip tokens the state needs",
+                model_config.architecture,
+                pools,
+            )
+        return False
 
     def _make_offloader(self, config: EngineConfig):
         """The KV offloader over the store `kv_offload` names (built here, closed with the

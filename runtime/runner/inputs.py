@@ -9,7 +9,7 @@ that the number of compiled shapes stays small and known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 256
+_NO_SLOTS: Mapping[str, int] = {}
 
 
 @dataclass
@@ -88,8 +89,12 @@ class BatchBuilder:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
+        # 0: the model keeps no recurrent state. Otherwise slots 0..n-1 are the core's and n is
+        # the scratch slot that padding rows read and write.
+        self.num_state_slots = num_state_slots
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = power_of_two_buckets(16, max_num_batched_tokens)
         # Few, coarse buckets: every distinct shape is one more compilation of the whole step.
@@ -112,6 +117,8 @@ class BatchBuilder:
         order: Sequence[str],
         *,
         want_prompt_logprobs: frozenset[str] = frozenset(),
+        state_slots: Mapping[str, int] = _NO_SLOTS,
+        reset_state_slots: Collection[int] = (),
     ) -> HostBatch:
         bs = self.block_size
         num_tokens = sum(num_scheduled_tokens[r] for r in order)
@@ -171,6 +178,11 @@ class BatchBuilder:
             block_tables[:num_seqs] = tables
         cu = padded(cu_q_lens, s_pad + 1)
         cu[num_seqs + 1 :] = start
+        state_rows, reset_rows = self._state_rows(rows, order, state_slots, reset_state_slots)
+        # Padding rows start from zero state every step, so the scratch slot never carries
+        # anything from one step to the next.
+        state_reset = np.ones(s_pad, np.bool_)
+        state_reset[:num_seqs] = reset_rows
         shape = (t_pad, s_pad, mb_pad)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
@@ -185,5 +197,60 @@ class BatchBuilder:
             cu_q_lens=cu,
             num_seqs=np.asarray(num_seqs, np.int32),
             logits_indices=padded(logits_rows, s_pad),
+            state_slots=padded(state_rows, s_pad, self.num_state_slots),
+            state_reset=state_reset,
         )
         return HostBatch(arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens)
+
+    def _state_rows(
+        self,
+        rows: Mapping[str, RequestRow],
+        order: Sequence[str],
+        state_slots: Mapping[str, int],
+        reset_state_slots: Collection[int],
+    ) -> tuple[list[int], list[bool]]:
+        """Each scheduled row's state slot and whether it starts from zero state.
+
+        A slot holds the state of its request's tokens before num_computed_tokens and of nothing
+        else, so the core's slots are checked here, where a wrong one would silently give a
+        request another request's state (or a state from before its preemption): a row starts
+        from zero state exactly when it computes from token 0, no two rows share a slot, and a
+        slot reset this step belongs to a row of this step (else its owner, scheduled later,
+        would read what the slot's previous owner left).
+        """
+        n = self.num_state_slots
+        if not n:
+            return [0] * len(order), [False] * len(order)
+        reset = set(reset_state_slots)
+        slots, fresh = [], []
+        for rid in order:
+            slot = state_slots.get(rid)
+            if not isinstance(slot, int) or not 0 <= slot < n:
+                raise ValueError(
+                    f"request {rid!r} is scheduled with state slot {slot!r}; expected one of "
+                    f"0..{n - 1}"
+                )
+            starts = slot in reset
+            computed = rows[rid].num_computed_tokens
+            if starts != (computed == 0):
+                raise ValueError(
+                    f"request {rid!r} computes from token {computed} with state slot {slot} "
+                    + (
+                        "reset: a state started from zero there would miss the tokens before it"
+                        if starts
+                        else "not reset: it would start from the state the slot's previous "
+                        "owner left"
+                    )
+                )
+            slots.append(slot)
+            fresh.append(starts)
+        if len(set(slots)) != len(slots):
+            shared = sorted({s for s in slots if slots.count(s) > 1})
+            raise ValueError(f"state slots {shared} are given to more than one request this step")
+        stray = reset.difference(slots)
+        if stray:
+            raise ValueError(
+                f"state slots {sorted(stray)} are reset but no request scheduled this step holds "
+                "them"
+            )
+        return slots, fresh

@@ -5,6 +5,11 @@ the weights are arguments (never closed over) and the KV cache is donated, so it
 Everything mutable here is shell state: the device arrays and a mirror of each live request's tokens
 and block table, kept in step with the scheduler's outputs.
 
+A model with recurrent state (state cache specs) also keeps its state pools in the cache value,
+donated with the rest: one slot per sequence that may run plus a scratch row for padding rows
+(runtime/runner/cache_budget.py). The core names each scheduled request's slot and the slots that
+start fresh; the batch carries both (inputs.py), and the model reads zeros for a fresh slot.
+
 The runner knows no model family: it finds the checkpoint's family through model/registry.py and uses
 only the protocol of model/base.py (build options, cache specs, forward, compute_logits). Kernel
 choices are made once, when the family is built.
@@ -13,7 +18,6 @@ choices are made once, when the family is built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from functools import partial
 
 import immutables
@@ -31,18 +35,14 @@ from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.runner import request_rows
+from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
+from runtime.runner.cache_budget import plan_cache
 from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30
-
-
-class KVCacheSizeError(ValueError):
-    """The KV cache cannot hold even one request of max_model_len tokens."""
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "want_hidden"), donate_argnums=(2,))
@@ -82,33 +82,20 @@ def cache_dtype(model_dtype: str, attention_backend: str) -> str:
     return model_dtype
 
 
-def num_cache_blocks(
-    specs: Sequence[base.CacheSpec],
-    max_model_len: int,
-    max_num_seqs: int,
-    num_kv_blocks: int | None,
-    kv_cache_bytes: int | None,
-) -> int:
-    """Blocks of the cache: a byte budget divided by one block id's bytes over every pool (the sum of
-    the specs' per-block bytes), or `num_kv_blocks` as given; either must hold one whole request."""
-    bytes_per_block = base.bytes_per_block(specs)
-    block_size = specs[0].block_size
-    if num_kv_blocks is None:
-        full = max_num_seqs * -(-max_model_len // block_size) + 1
-        budget = kv_cache_bytes if kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
-        by_budget = budget // bytes_per_block
-        num_kv_blocks = by_budget if kv_cache_bytes is not None else min(full, by_budget)
-    need = -(-max_model_len // block_size) + 1  # one request's blocks plus the null block
-    if num_kv_blocks < need:
-        raise KVCacheSizeError(
-            f"max_model_len={max_model_len} needs {need - 1} KV blocks of {block_size} tokens "
-            f"({(need - 1) * bytes_per_block} bytes) for one request, but the KV cache has "
-            f"{max(num_kv_blocks - 1, 0)} usable blocks ({num_kv_blocks * bytes_per_block} bytes at "
-            f"{bytes_per_block} bytes per block: "
-            + ", ".join(f"{s.name} {s.bytes_per_block}" for s in specs)
-            + "); lower max_model_len or raise num_kv_blocks / kv_cache_bytes"
-        )
-    return num_kv_blocks
+def model_options(
+    model_config: ModelConfig, block_size: int, attention_backend: str
+) -> ModelOptions:
+    """What the runner tells a family beside its checkpoint's config."""
+    return ModelOptions(
+        block_size=block_size,
+        cache_dtype=cache_dtype(model_config.dtype, attention_backend),
+        attention_backend=attention_backend,
+    )
+
+
+def model_cache_specs(model_config: ModelConfig, options: ModelOptions) -> tuple:
+    """The checkpoint's family's cache specs (from its config alone: nothing is loaded)."""
+    return registry.model_class(model_config.architecture).cache_specs(model_config, options)
 
 
 class ModelRunner:
@@ -128,16 +115,18 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = block_size
         self.seed = seed
-        self.kv_dtype = cache_dtype(model_config.dtype, attention_backend)
-        options = ModelOptions(
-            block_size=block_size, cache_dtype=self.kv_dtype, attention_backend=attention_backend
-        )
-        family = registry.model_class(model_config.architecture)
-        self.cache_specs = family.cache_specs(model_config, options)
-        self.num_kv_blocks = num_cache_blocks(
+        options = model_options(model_config, block_size, attention_backend)
+        self.kv_dtype = options.cache_dtype
+        self.cache_specs = model_cache_specs(model_config, options)
+        size = plan_cache(
             self.cache_specs, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes
         )
-        self.kv_cache_bytes = self.num_kv_blocks * base.bytes_per_block(self.cache_specs)
+        self.num_kv_blocks = size.num_blocks
+        # One slot per sequence that may run (0: the model keeps no recurrent state); the state
+        # pools hold one more row, the scratch slot of the batch's padding rows.
+        self.num_state_slots = size.num_state_slots
+        self.kv_cache_bytes = size.kv_bytes
+        self.state_cache_bytes = size.state_bytes
         try:
             self.graphdef, self.params = load_model(model_config.path, model_config, options)
         except BackendError as e:
@@ -148,13 +137,17 @@ class ModelRunner:
         # The kernel choices the family made (and logged) when it was built, by op.
         model = nnx.merge(self.graphdef, self.params)
         self.backends = {choice.op: choice for choice in model.backends}
-        self.kv_caches = base.allocate(self.cache_specs, self.num_kv_blocks)
-        log.info("KV cache: %s", base.describe(self.cache_specs, self.num_kv_blocks))
+        self.kv_caches = base.allocate(self.cache_specs, self.num_kv_blocks, self.num_state_slots)
+        log.info(
+            "KV cache: %s",
+            base.describe(self.cache_specs, self.num_kv_blocks, self.num_state_slots),
+        )
         self.builder = BatchBuilder(
             block_size=block_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            num_state_slots=self.num_state_slots,
         )
         self.rows: dict[str, RequestRow] = {}
 
@@ -202,6 +195,8 @@ class ModelRunner:
             scheduler_output.num_scheduled_tokens,
             order,
             want_prompt_logprobs=want_prompt,
+            state_slots=scheduler_output.state_slots,
+            reset_state_slots=scheduler_output.reset_state_slots,
         )
         sampling = [self.rows[r] for r in host_batch.sampling_req_ids]
         vocab = self.model_config.vocab_size

@@ -121,4 +121,6 @@ def test_random_batches_match_a_per_token_layout():
             len(order) :
         ].any()
         assert not a["block_tables"][len(order) :].any() and int(a["num_seqs"]) == len(order)
-        assert all(a[k].dtype == np.int32 for k in a)
+        assert all(a[k].dtype == np.int32 for k in a if k != "state_reset")
+        # A model without state slots: every row names slot 0 (the scratch of an empty pool).
+        assert not a["state_slots"].any() and a["state_reset"].dtype == np.bool_
