@@ -1,8 +1,8 @@
 """ModelConfig: what the engine needs to know about a checkpoint, read from its config.json.
 
 Architecture comes from `architectures` through model/registry.py; the runner type ("generate" or
-"pooling") from configuration attributes (the architecture's head and what its registry entry
-serves), never from isinstance checks on model classes.
+"pooling"), pooling type and attention type from configuration attributes and sentence-transformers
+files (model/routing.py), never from isinstance checks on model classes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from model import registry
 DTYPES = ("float32", "bfloat16", "float16")
 RUNNER_TYPES = ("generate", "pooling")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-# Architecture-name heads that end in a token distribution; everything else serves pooling.
-_GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+# hidden_act values each model type is served with (others: silu only). BERT's "gelu" is the exact
+# (erf) GELU; "gelu_new" and "gelu_pytorch_tanh" its tanh approximation.
+_ACTIVATIONS = {"bert": ("gelu", "gelu_new", "gelu_pytorch_tanh")}
 # The keys vLLM takes from generation_config.json as sampling defaults.
 _GENERATION_DEFAULT_KEYS = (
     "temperature",
@@ -86,6 +87,15 @@ class ModelConfig:
     pad_token_id: int | None
     generation_defaults: immutables.Map
     hf_config: immutables.Map  # the whole config.json, frozen, for family-specific keys
+    hidden_act: str = "silu"
+    # Routing (model/routing.py), each decided from configuration attributes.
+    pooling_type: str | None = None  # "MEAN" | "CLS" | "LAST"; None for the generate runner
+    attention_type: str = "causal"  # "causal" | "bidirectional", for every layer
+    normalize: bool = False  # pooled embeddings L2-normalised by default
+    max_seq_length: int | None = None  # sentence_bert_config.json's, when the checkpoint has one
+    num_labels: int | None = None  # classification heads only
+    # "runner" / "pooling_type" / "attention_type" / "normalize" -> the attribute that decided it
+    routing_reasons: immutables.Map = immutables.Map()
 
     @property
     def jnp_dtype(self):
@@ -95,21 +105,49 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
+        # A sentence-transformers checkpoint was trained to its max_seq_length (all-MiniLM-L6-v2:
+        # 256 of 512 positions); vLLM caps the model length there too.
+        if self.max_seq_length is not None:
+            return min(self.max_seq_length, self.max_position_embeddings)
         return self.max_position_embeddings
+
+    def describe_routing(self) -> str:
+        """Runner, pooling and attention type, each with the attribute that decided it (the line
+        the engine logs once)."""
+        from model.routing import describe
+
+        return describe(
+            self.routing_reasons, self.runner_type, self.pooling_type, self.attention_type
+        )
 
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, dtype: str = "auto", runner: str = "auto"
     ) -> ModelConfig:
+        from model.routing import read_sentence_transformers
+
         path = os.fspath(path)
         hf = _read_json(os.path.join(path, "config.json"), required=True)
         gen = _read_json(os.path.join(path, "generation_config.json"), required=False) or {}
-        return from_hf_dict(hf, gen, path=path, dtype=dtype, runner=runner)
+        st = read_sentence_transformers(path)
+        return from_hf_dict(
+            hf, gen, path=path, dtype=dtype, runner=runner, sentence_transformers=st
+        )
 
 
 def from_hf_dict(
-    hf: dict, gen: dict | None = None, *, path: str = "", dtype: str = "auto", runner: str = "auto"
+    hf: dict,
+    gen: dict | None = None,
+    *,
+    path: str = "",
+    dtype: str = "auto",
+    runner: str = "auto",
+    sentence_transformers=None,
 ) -> ModelConfig:
+    """`sentence_transformers`: the checkpoint's model.routing.SentenceTransformers files, if any."""
+    # routing.py raises this module's ConfigError, so it is imported here, not at the top.
+    from model.routing import route
+
     gen = gen or {}
     _refuse_unserved(hf, path)
     arch = _architecture(hf, path)
@@ -136,18 +174,19 @@ def from_hf_dict(
         head_dim = hidden // num_heads
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ConfigError(f"{path}: head_dim must be a positive even int, got {head_dim!r}")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{path}: hidden_act {act!r} is not supported (expected 'silu')")
+    act = _activation(hf, path)
     num_layers = _positive_int(hf, "num_hidden_layers", path)
     max_pos = _positive_int(hf, "max_position_embeddings", path)
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
+    routing = route(
+        hf, arch, registry.lookup(arch).runner_types, runner, path, sentence_transformers
+    )
     return ModelConfig(
         path=path,
         architecture=arch,
         model_type=hf.get("model_type", ""),
-        runner_type=_runner_type(arch, runner, path),
+        runner_type=routing.runner_type,
         dtype=_dtype(hf, dtype, path),
         vocab_size=_positive_int(hf, "vocab_size", path),
         hidden_size=hidden,
@@ -170,6 +209,13 @@ def from_hf_dict(
             {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
         ),
         hf_config=_freeze(hf),
+        hidden_act=act,
+        pooling_type=routing.pooling_type,
+        attention_type=routing.attention_type,
+        normalize=routing.normalize,
+        max_seq_length=routing.max_seq_length,
+        num_labels=routing.num_labels,
+        routing_reasons=routing.reasons,
     )
 
 
@@ -237,16 +283,16 @@ def _architecture(hf: dict, path: str) -> str:
     )
 
 
-def _runner_type(arch: str, runner: str, path: str) -> str:
-    serves = registry.lookup(arch).runner_types
-    if runner == "auto":
-        wanted = "generate" if arch.endswith(_GENERATIVE_SUFFIXES) else "pooling"
-        return wanted if wanted in serves else serves[0]
-    if runner not in RUNNER_TYPES:
-        raise ConfigError(f"runner must be 'auto' or one of {RUNNER_TYPES}, got {runner!r}")
-    if runner not in serves:
-        raise ConfigError(f"{path}: {arch} serves runner types {serves}, not {runner!r}")
-    return runner
+def _activation(hf: dict, path: str) -> str:
+    model_type = hf.get("model_type")
+    served = _ACTIVATIONS.get(model_type, ("silu",))
+    act = hf.get("hidden_act", served[0])
+    if act not in served:
+        raise ConfigError(
+            f"{path}: hidden_act {act!r} is not supported for model_type {model_type!r} "
+            f"(expected {' or '.join(repr(a) for a in served)})"
+        )
+    return act
 
 
 def _dtype(hf: dict, dtype: str, path: str) -> str:

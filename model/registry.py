@@ -18,21 +18,29 @@ class ArchitectureEntry:
     runner_types: tuple[str, ...]  # what this class can serve: "generate" and/or "pooling"
 
 
+# A decoder served with runner="pooling" embeds by its last token (model/routing.py).
 _BUILT_IN = (
-    ArchitectureEntry("LlamaForCausalLM", "model.llama:LlamaForCausalLM", ("generate",)),
-    ArchitectureEntry("Qwen2ForCausalLM", "model.llama:Qwen2ForCausalLM", ("generate",)),
-    ArchitectureEntry("Qwen3ForCausalLM", "model.llama:Qwen3ForCausalLM", ("generate",)),
+    ArchitectureEntry("LlamaForCausalLM", "model.llama:LlamaForCausalLM", ("generate", "pooling")),
+    ArchitectureEntry("Qwen2ForCausalLM", "model.llama:Qwen2ForCausalLM", ("generate", "pooling")),
+    ArchitectureEntry("Qwen3ForCausalLM", "model.llama:Qwen3ForCausalLM", ("generate", "pooling")),
     ArchitectureEntry(
         "DeepseekV3ForCausalLM", "model.deepseek:DeepseekV3ForCausalLM", ("generate",)
     ),
     ArchitectureEntry(
         "DeepseekV32ForCausalLM", "model.deepseek_v32:DeepseekV32ForCausalLM", ("generate",)
     ),
+    # Encoders: no language-model head, bidirectional attention, no KV cache.
+    ArchitectureEntry("BertModel", "model.bert:BertModel", ("pooling",)),
+    ArchitectureEntry(
+        "BertForSequenceClassification", "model.bert:BertForSequenceClassification", ("pooling",)
+    ),
 )
 _REGISTRY = {e.name: e for e in _BUILT_IN}
 _RUNNER_TYPES = ("generate", "pooling")
-# The class-level members of model/base.py's protocol the runner calls.
-_PROTOCOL = ("hf_weight_specs", "hf_ignored_weight", "cache_specs", "compute_logits")
+# The class-level members of model/base.py's protocol the runner calls; a family that serves the
+# generate runner also computes logits.
+_PROTOCOL = ("hf_weight_specs", "hf_ignored_weight", "cache_specs")
+_GENERATE_PROTOCOL = ("compute_logits",)
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -84,7 +92,8 @@ def model_class(name: str) -> type:
     else:
         module, _, attr = entry.target.partition(":")
         cls = getattr(importlib.import_module(module), attr)
-    missing = [m for m in _PROTOCOL if not callable(getattr(cls, m, None))]
+    protocol = _PROTOCOL + (_GENERATE_PROTOCOL if "generate" in entry.runner_types else ())
+    missing = [m for m in protocol if not callable(getattr(cls, m, None))]
     if missing:
         raise TypeError(
             f"{cls.__qualname__} (registered for {name!r}) lacks {', '.join(missing)} of the model "

@@ -1,4 +1,5 @@
-"""RMSNorm with HF's rounding: normalise in f32, round to the activation dtype, then scale."""
+"""RMSNorm with HF's rounding (normalise in f32, round to the activation dtype, then scale), and
+LayerNorm with torch's (encoders)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,22 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """torch's LayerNorm: statistics in f32 (as torch computes them for bf16 too), one rounding."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return layer_norm(x, self.weight[...], self.bias[...], self.eps)

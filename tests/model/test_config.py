@@ -93,8 +93,9 @@ def test_dtype_policy():
 def test_runner_type():
     assert cfg().runner_type == "generate"
     assert from_hf_dict(BASE, runner="generate").runner_type == "generate"
-    with pytest.raises(ConfigError, match="serves runner types"):
-        from_hf_dict(BASE, runner="pooling")
+    # A decoder served as an embedder pools its last token (tests/model/test_routing.py).
+    pooled = from_hf_dict(BASE, runner="pooling")
+    assert (pooled.runner_type, pooled.pooling_type) == ("pooling", "LAST")
     with pytest.raises(ConfigError, match="'embed'"):
         from_hf_dict(BASE, runner="embed")
 
