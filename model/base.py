@@ -86,6 +86,9 @@ class ModelOptions:
     block_size: int = 16
     cache_dtype: str | None = None  # None: the model's own dtype
     attention_backend: str = "auto"  # "auto", or the name of an implementation to force
+    # enable_expert_parallel: under a mesh, MoE layers split whole experts over the devices
+    # instead of each expert's intermediate (model/sharding.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -43,7 +43,14 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
 
 
 class DeepseekDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attention: nnx.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        attention: nnx.Module,
+        *,
+        expert_parallel: bool = False,
+    ):
         dt = cfg.jnp_dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.self_attn = attention
@@ -51,7 +58,7 @@ class DeepseekDecoderLayer(nnx.Module):
         if is_moe_layer(cfg, layer_idx):
             from model.layers.moe import DeepseekMoE  # only MoE checkpoints need it
 
-            self.mlp = DeepseekMoE(cfg, dt)
+            self.mlp = DeepseekMoE(cfg, dt, expert_parallel=expert_parallel)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dt)
 
@@ -85,7 +92,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.backends = self.choose_backends(config, options)
         self.num_pools = len(type(self).cache_specs(config, options))
         layers = [
-            type(self).decoder_layer(config, i, self.make_attention(config, i))
+            type(self).decoder_layer(
+                config,
+                i,
+                self.make_attention(config, i),
+                expert_parallel=options.expert_parallel,
+            )
             for i in range(config.num_hidden_layers)
         ]
         self.model = DeepseekModel(config, layers)

@@ -12,8 +12,10 @@ import contextlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -163,10 +165,15 @@ def _assemble(spec: WeightSpec, reader: _Reader, dtype: np.dtype) -> np.ndarray:
 
 
 def load_model(
-    path: str | os.PathLike, model_config: ModelConfig, options: ModelOptions | None = None
+    path: str | os.PathLike,
+    model_config: ModelConfig,
+    options: ModelOptions | None = None,
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
 ):
     """(graphdef, state) of the config's architecture with the checkpoint's weights in config.dtype,
-    built with `options` (block size, cache dtype, forced attention backend; defaults if None)."""
+    built with `options` (block size, cache dtype, forced attention backend; defaults if None).
+    `place(path, array)` puts each parameter on its devices as it is read (tensor parallelism:
+    runtime/runner/parallel.py); by default it goes whole to the default device."""
     path = os.fspath(path)
     cls = registry.model_class(model_config.architecture)
     tensors = list_tensors(path)
@@ -190,5 +197,5 @@ def load_model(
             arr = _assemble(specs[p], reader, np.dtype(var.dtype))
             if arr.shape != var.shape:
                 raise RuntimeError(f"assembled {p} has shape {arr.shape}, expected {var.shape}")
-            loaded.append((p, var.replace(jnp.asarray(arr))))
+            loaded.append((p, var.replace(jnp.asarray(arr) if place is None else place(p, arr))))
     return graphdef, nnx.from_flat_state(loaded)

@@ -38,6 +38,13 @@ class EngineConfig:
     kv_offload: str | KVStore | None = None
     kv_offload_bytes: int = 256 << 20
     mooncake_master: str | None = None
+    # Scale-out, under vLLM's names: one engine over tensor_parallel_size devices (on a
+    # multi-host group, its processes' devices together), with the experts split over them
+    # instead of their intermediate under enable_expert_parallel. Data-parallel replicas are
+    # separate engines: vlax.batch runs them on Ray, so one engine takes only 1.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -81,6 +88,18 @@ class EngineConfig:
         if self.kv_offload == "mooncake" and not self.mooncake_master:
             raise ConfigError("kv_offload='mooncake' needs mooncake_master='HOST:PORT'")
         _positive("kv_offload_bytes", self.kv_offload_bytes)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ConfigError(
+                f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
+            )
+        _positive("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size != 1:
+            raise ConfigError(
+                f"data_parallel_size={self.data_parallel_size}: one LLM is one engine; run "
+                "data-parallel replicas with vlax.batch (Ray Data, one LLM per actor), each of "
+                "them tensor_parallel_size devices"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(
                 "long_prefill_token_threshold must be >= 0, "

@@ -119,6 +119,8 @@ class Engine:
             kv_cache_bytes=config.kv_cache_bytes,
             attention_backend=config.attention_backend,
             seed=config.seed,
+            tensor_parallel_size=config.tensor_parallel_size,
+            enable_expert_parallel=config.enable_expert_parallel,
         )
         try:
             scheduler_config = SchedulerConfig(

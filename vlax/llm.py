@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import fields
@@ -26,6 +27,11 @@ class LLM:
     `kv_offload_bytes`), "mooncake" (a client of the pool at `mooncake_master`), or a store object
     that implements runtime/offload/store.py's `KVStore` (its docstring states the contract); the
     engine closes the stores it builds, and leaves a store object open for its owner to close.
+    `tensor_parallel_size=T` runs the model over T devices (attention and KV heads, MLP
+    intermediate and vocabulary split; `enable_expert_parallel=True` splits MoE experts instead of
+    their intermediate); with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set,
+    every process of the group builds the same LLM and is given the same prompts, and T counts the
+    devices of all of them (README: "Two hosts").
     `record_steps` keeps the last N steps' scheduler outputs and stats in `llm.engine.history` /
     `llm.engine.stats` (None: all of them; the default 0: none, so a long job keeps nothing per
     step).
@@ -40,6 +46,11 @@ class LLM:
 
             model = str(default_model_path())
         model = arguments.checkpoint_dir(model)
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            # One process of a multi-host engine: join the group before JAX picks its devices.
+            from runtime.runner import multihost
+
+            multihost.initialize()
         self.engine = Engine(
             EngineConfig(model=str(model), **engine_args), record_steps=record_steps
         )

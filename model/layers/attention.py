@@ -10,13 +10,17 @@ The layer takes its kernel choice when it is built (`choose_backend`, decided on
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.batch import ModelBatch
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
+from model.sharding import GROUP, group_size, on_each_device, split_fused
 from pallas_kernels.backends import Choice
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, select, write_kv
 
@@ -81,24 +85,38 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q = qkv[:, : hq * d].reshape(t, hq, d)
-        k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
-        v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+        # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
+        q, k, v = split_fused(self.qkv_proj(x), (hq * d, hkv * d, hkv * d), group_size())
+        q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache, v_cache = write_kv(*kv_cache, k, v, batch.slot_mapping)
-        out = ragged_paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.kv_lens,
-            batch.block_tables,
-            batch.cu_q_lens,
-            batch.num_seqs,
-            sm_scale=d**-0.5,
-            sliding_window=self.sliding_window,
-            impl=self.backend,
+        heads, pages = P(None, GROUP, None), P(None, None, GROUP, None)
+        attend = on_each_device(
+            functools.partial(
+                _attend, sm_scale=d**-0.5, sliding_window=self.sliding_window, impl=self.backend
+            ),
+            in_specs=(heads, heads, heads, pages, pages, P()),
+            out_specs=(heads, pages, pages),
         )
+        out, k_cache, v_cache = attend(q, k, v, *kv_cache, batch)
         return self.o_proj(out.reshape(t, hq * d)), (k_cache, v_cache)
+
+
+def _attend(q, k, v, k_cache, v_cache, batch: ModelBatch, *, sm_scale, sliding_window, impl):
+    """The cache write and the attention kernel; per device, on its own heads, under tensor
+    parallelism (a Pallas kernel cannot be partitioned by XLA)."""
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    out = ragged_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        batch.kv_lens,
+        batch.block_tables,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        impl=impl,
+    )
+    return out, k_cache, v_cache

@@ -36,6 +36,9 @@ def expert_mlp(
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], ids int [T, k], weights f32
     [T, k], gate_up [E, H, 2I] (gate then up), down [E, I, H]; returns [T, H] in x's dtype.
 
+    An id of E names an expert that is not here (expert parallelism: another device holds it):
+    its pair adds nothing and takes no tile.
+
     Each projection rounds to x's dtype, as HF's experts (and Linear) do; the weighted sum over a
     token's k experts is taken in float32.
     """
@@ -48,17 +51,22 @@ def expert_mlp(
 
     pair_expert = ids.reshape(-1)
     order = jnp.argsort(pair_expert, stable=True)  # pairs by expert
-    counts = jnp.bincount(pair_expert, length=num_experts)
+    counts = jnp.bincount(pair_expert, length=num_experts + 1)[:num_experts]
     padded = (counts + rows - 1) // rows * rows
     padded_end = jnp.cumsum(padded)
     first_sorted = jnp.cumsum(counts) - counts  # each expert's first position in `order`
     sorted_expert = pair_expert[order]
-    sorted_slot = padded_end[sorted_expert] - padded[sorted_expert]
-    sorted_slot = sorted_slot + jnp.arange(num_pairs) - first_sorted[sorted_expert]
+    here = sorted_expert < num_experts  # the pairs of absent experts sort last
+    expert = jnp.minimum(sorted_expert, num_experts - 1)
+    sorted_slot = padded_end[expert] - padded[expert] + jnp.arange(num_pairs) - first_sorted[expert]
+    # An absent expert's pair gets the slot past every tile: it fills none and adds zero.
+    sorted_slot = jnp.where(here, sorted_slot, num_tiles * rows)
     pair_slot = jnp.zeros(num_pairs, jnp.int32).at[order].set(sorted_slot.astype(jnp.int32))
     # Token of each slot; padding slots read a zero row past the last token.
     slot_token = jnp.full(num_tiles * rows, num_tokens, jnp.int32)
-    slot_token = slot_token.at[pair_slot].set(jnp.arange(num_pairs, dtype=jnp.int32) // top_k)
+    slot_token = slot_token.at[pair_slot].set(
+        jnp.arange(num_pairs, dtype=jnp.int32) // top_k, mode="drop"
+    )
     x_rows = jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)]).astype(gate_up.dtype)
     tiles = x_rows[slot_token].reshape(num_tiles, rows, hidden)
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * rows, side="right")
@@ -80,6 +88,9 @@ def expert_mlp(
         return carry, jax.lax.cond(used, run_tile, skip_tile, tile, expert)
 
     _, out = jax.lax.scan(step, None, (tiles, tile_expert))
-    pair_out = out.reshape(num_tiles * rows, hidden)[pair_slot].astype(jnp.float32)
+    out = out.reshape(num_tiles * rows, hidden)
+    absent = (pair_slot == num_tiles * rows)[:, None]
+    pair_out = jnp.where(absent, 0, out[jnp.minimum(pair_slot, num_tiles * rows - 1)])
+    pair_out = pair_out.astype(jnp.float32)
     weighted = pair_out.reshape(num_tokens, top_k, hidden) * weights[..., None]
     return weighted.sum(axis=1).astype(x.dtype)

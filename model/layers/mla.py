@@ -21,17 +21,20 @@ layout. Both sides of every dot product share the layout, and the cache holds HF
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.batch import ModelBatch
 from model.config import ConfigError, ModelConfig, RopeConfig
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
+from model.sharding import GROUP, on_each_device
 from pallas_kernels.backends import Choice
 from pallas_kernels.paged_write import write_rows
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, select
@@ -154,6 +157,21 @@ def selected_slots(selected: jax.Array, batch: ModelBatch, block_size: int) -> j
     return jnp.where(ok, block * block_size + pos % block_size, -1).astype(jnp.int32)
 
 
+def _dense_attend(q, cache, batch: ModelBatch, *, sm_scale, impl) -> jax.Array:
+    """Causal attention of absorbed queries against the latent pool as both keys and values."""
+    return ragged_paged_attention(
+        q,
+        cache,
+        cache,
+        batch.kv_lens,
+        batch.block_tables,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        sm_scale=sm_scale,
+        impl=impl,
+    )
+
+
 class MLAttention(nnx.Module):
     """DeepSeek MLA of one layer; parameter names follow HF's DeepseekV3Attention.
 
@@ -246,18 +264,15 @@ class MLAttention(nnx.Module):
         r = self.shape.kv_lora_rank
         q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1).astype(cache.dtype)
         if selected is None:
-            out = ragged_paged_attention(
-                q,
-                cache,
-                cache,
-                batch.kv_lens,
-                batch.block_tables,
-                batch.cu_q_lens,
-                batch.num_seqs,
-                sm_scale=self.scale,
-                impl=self.backend,
+            # Per device on its own heads under tensor parallelism; the latent pool is whole on
+            # every device.
+            heads = P(None, GROUP, None)
+            attend = on_each_device(
+                functools.partial(_dense_attend, sm_scale=self.scale, impl=self.backend),
+                in_specs=(heads, P(), P()),
+                out_specs=heads,
             )
-            return out[..., :r].astype(q_lat.dtype)
+            return attend(q, cache, batch)[..., :r].astype(q_lat.dtype)
         if self.sparse_backend is None:
             raise ValueError(
                 f"layer {self.layer_idx}: `selected` positions given to an MLAttention built "

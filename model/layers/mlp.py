@@ -6,6 +6,7 @@ import jax
 from flax import nnx
 
 from model.layers.linear import Linear
+from model.sharding import group_size, split_fused
 
 
 class GatedMLP(nnx.Module):
@@ -15,6 +16,7 @@ class GatedMLP(nnx.Module):
         self.intermediate = intermediate
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+        # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
+        n = self.intermediate
+        gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())
         return self.down_proj(jax.nn.silu(gate) * up)

@@ -11,15 +11,18 @@ two experts with identical gate rows, or an all-zero hidden state with equal cor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.config import ConfigError, ModelConfig
 from model.layers.grouped_experts import expert_mlp
 from model.layers.mlp import GatedMLP
+from model.sharding import GROUP, on_each_device, on_mesh
 from model.weight_spec import WeightSpec
 
 # HF's DeepseekV3Config defaults, used where config.json leaves a key out.
@@ -139,7 +142,7 @@ def route(
 class DeepseekMoE(nnx.Module):
     """x [T, hidden] -> routed experts (weighted by the router) + shared experts, [T, hidden]."""
 
-    def __init__(self, config: ModelConfig, dtype):
+    def __init__(self, config: ModelConfig, dtype, *, expert_parallel: bool = False):
         s = moe_settings(config)
         self.settings = s
         h, e, inter = config.hidden_size, s.n_routed_experts, s.moe_intermediate_size
@@ -150,6 +153,8 @@ class DeepseekMoE(nnx.Module):
         self.experts_gate_up = nnx.Param(jnp.zeros((e, h, 2 * inter), dtype))
         self.experts_down = nnx.Param(jnp.zeros((e, inter, h), dtype))
         self.shared_experts = GatedMLP(h, s.n_shared_experts * inter, bias=False, dtype=dtype)
+        # Under a mesh: whole experts split over the devices, else their intermediate.
+        self.expert_parallel = expert_parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:
         s = self.settings
@@ -166,8 +171,54 @@ class DeepseekMoE(nnx.Module):
             norm_topk_prob=s.norm_topk_prob,
             routed_scaling_factor=s.routed_scaling_factor,
         )
-        routed = expert_mlp(x, ids, weights, self.experts_gate_up[...], self.experts_down[...])
-        return routed + self.shared_experts(x)
+        if not on_mesh():
+            routed = expert_mlp(x, ids, weights, self.experts_gate_up[...], self.experts_down[...])
+            return routed + self.shared_experts(x)
+        # Per device: its experts (or its slice of every expert) and its slice of the shared
+        # experts, summed over the devices by one all-reduce.
+        if self.expert_parallel:
+            gate_up, down = P(GROUP, None, None), P(GROUP, None, None)
+        else:
+            gate_up, down = P(None, None, GROUP), P(None, GROUP, None)
+        run = on_each_device(
+            functools.partial(_experts_here, expert_parallel=self.expert_parallel),
+            in_specs=(P(), P(), P(), gate_up, down, P(None, GROUP), P(GROUP, None)),
+            out_specs=P(),
+        )
+        shared = self.shared_experts
+        return run(
+            x,
+            ids,
+            weights,
+            self.experts_gate_up[...],
+            self.experts_down[...],
+            shared.gate_up_proj.kernel[...],
+            shared.down_proj.kernel[...],
+        )
+
+
+def _experts_here(x, ids, weights, gate_up, down, shared_gate_up, shared_down, *, expert_parallel):
+    """One device's part of the MoE output, all-reduced: its routed experts (expert parallel:
+    the pairs of other devices' experts are dropped) or its slice of every expert's
+    intermediate, plus its slice of the shared experts (fused gate/up laid out per device,
+    model/sharding.py, so each local kernel is [gate slice | up slice])."""
+    if expert_parallel:
+        here = gate_up.shape[0]
+        first = jax.lax.axis_index(GROUP) * here
+        mine = (ids >= first) & (ids < first + here)
+        ids = jnp.where(mine, ids - first, here)  # `here`: no expert of this device
+        weights = jnp.where(mine, weights, 0.0)
+    out = expert_mlp(x, ids, weights, gate_up, down) + _gated_mlp(x, shared_gate_up, shared_down)
+    return jax.lax.psum(out, GROUP)
+
+
+def _gated_mlp(x, gate_up, down):
+    """GatedMLP's computation (no bias) on kernels given as arrays."""
+    h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32)
+    h = h.astype(x.dtype)
+    n = h.shape[-1] // 2
+    y = (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(down.dtype)
+    return jnp.dot(y, down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def moe_weight_specs(

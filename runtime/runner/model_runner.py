@@ -17,6 +17,8 @@ choices are made once, when the family is built.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 from functools import partial
 
@@ -31,10 +33,11 @@ from model.base import ModelOptions, compute_logits, forward
 from model.batch import ModelBatch
 from model.config import ModelConfig
 from model.loader import load_model
+from model.sharding import replicated
 from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
-from runtime.runner import request_rows
+from runtime.runner import multihost, parallel, request_rows
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
 from runtime.runner.cache_budget import plan_cache
 from runtime.runner.errors import RequestFailed, RunnerLost
@@ -48,15 +51,16 @@ log = logging.getLogger(__name__)
 @partial(jax.jit, static_argnames=("num_logprobs", "want_hidden"), donate_argnums=(2,))
 def _step(graphdef, params, kv_caches, batch, metadata, *, num_logprobs, want_hidden):
     kv_caches, hidden = forward(graphdef, params, kv_caches, batch)
-    logits = compute_logits(graphdef, params, hidden[batch.logits_indices])
-    out = sample(logits, metadata, num_logprobs)
+    # Gathered once, whole on every device, under tensor parallelism (vocab-split LM head).
+    logits = replicated(compute_logits(graphdef, params, hidden[batch.logits_indices]))
+    out = replicated(sample(logits, metadata, num_logprobs))
     return kv_caches, out, (hidden if want_hidden else None)
 
 
 @partial(jax.jit, static_argnames=("num_logprobs",))
 def _prompt_logprobs(graphdef, params, hidden_rows, next_ids, *, num_logprobs):
     return compute_prompt_logprobs(
-        compute_logits(graphdef, params, hidden_rows), next_ids, num_logprobs
+        replicated(compute_logits(graphdef, params, hidden_rows)), next_ids, num_logprobs
     )
 
 
@@ -111,11 +115,20 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         attention_backend: str = "auto",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ) -> None:
         self.model_config = model_config
         self.block_size = block_size
         self.seed = seed
-        options = model_options(model_config, block_size, attention_backend)
+        # The devices this engine runs on and how its arrays sit there (None: one device).
+        self.placement = parallel.placement(
+            model_config, tensor_parallel_size, enable_expert_parallel
+        )
+        options = dataclasses.replace(
+            model_options(model_config, block_size, attention_backend),
+            expert_parallel=enable_expert_parallel,
+        )
         self.kv_dtype = options.cache_dtype
         self.cache_specs = model_cache_specs(model_config, options)
         size = plan_cache(
@@ -128,7 +141,12 @@ class ModelRunner:
         self.kv_cache_bytes = size.kv_bytes
         self.state_cache_bytes = size.state_bytes
         try:
-            self.graphdef, self.params = load_model(model_config.path, model_config, options)
+            self.graphdef, self.params = load_model(
+                model_config.path,
+                model_config,
+                options,
+                place=None if self.placement is None else self.placement.weight,
+            )
         except BackendError as e:
             raise BackendError(
                 f"attention_backend={attention_backend!r} for {model_config.architecture} at "
@@ -137,11 +155,19 @@ class ModelRunner:
         # The kernel choices the family made (and logged) when it was built, by op.
         model = nnx.merge(self.graphdef, self.params)
         self.backends = {choice.op: choice for choice in model.backends}
-        self.kv_caches = base.allocate(self.cache_specs, self.num_kv_blocks, self.num_state_slots)
+        if self.placement is None:
+            self.kv_caches = base.allocate(
+                self.cache_specs, self.num_kv_blocks, self.num_state_slots
+            )
+        else:
+            self.kv_caches = self.placement.allocate(
+                self.cache_specs, self.num_kv_blocks, self.num_state_slots
+            )
         log.info(
             "KV cache: %s",
             base.describe(self.cache_specs, self.num_kv_blocks, self.num_state_slots),
         )
+        log.info("memory per device: %s", parallel.memory_report(self.params, self.kv_caches))
         self.builder = BatchBuilder(
             block_size=block_size,
             max_model_len=max_model_len,
@@ -154,12 +180,17 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. If it raises before the device step took the KV cache, the runner is as
         it was before the call (runtime/runner/errors.py says what each failure means)."""
+        # Several processes: all of them are about to run this same step, or all stop here.
+        multihost.check_agreement(scheduler_output)
         order, undo = request_rows.apply(self.rows, scheduler_output)
         if not order:
             return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
         caches = self.kv_caches
         try:
-            return self._execute(scheduler_output, order)
+            # Every jitted call of the step traces under the engine's mesh (the model's layers
+            # read it: model/sharding.py); subclasses' _execute too.
+            with self._on_mesh():
+                return self._execute(scheduler_output, order)
         except Exception as err:
             if self.kv_caches is caches and not _taken(caches):
                 request_rows.undo(self.rows, undo)
@@ -222,6 +253,8 @@ class ModelRunner:
         # dispatch (jnp.asarray on each one first cost ~80 us apiece, most of a decode step's
         # host time).
         batch = ModelBatch(**host_batch.arrays)
+        if self.placement is not None:
+            batch, metadata = self.placement.host_inputs((batch, metadata))
         self.kv_caches, out, hidden = _step(
             self.graphdef,
             self.params,
@@ -243,6 +276,12 @@ class ModelRunner:
             logprobs=None if logprobs is None else tuple(logprobs.get(r) for r in order),
             prompt_logprobs=prompt_lp,
         )
+
+    def _on_mesh(self):
+        """The context a step's jitted calls trace under: the engine's mesh, if it has one."""
+        if self.placement is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.placement.mesh)
 
     @staticmethod
     def _sampling_row(row: RequestRow) -> SamplingRow:
