@@ -89,10 +89,19 @@ class ModelOptions:
     # enable_expert_parallel: under a mesh, MoE layers split whole experts over the devices
     # instead of each expert's intermediate (model/sharding.py).
     expert_parallel: bool = False
+    # Pallas interpret mode of the kernels a family calls, where it passes it on (Kimi-Linear):
+    # None follows each choice (interpret mode only where Pallas was forced onto a platform it
+    # cannot compile for, e.g. the CPU); False compiles for the GPU even then, which a CPU host
+    # can only lower (`.lower(lowering_platforms=("cuda",))`), as the cross-lowering tests do.
+    pallas_interpret: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.pallas_interpret not in (None, True, False):
+            raise ValueError(
+                f"pallas_interpret must be None, True or False, got {self.pallas_interpret!r}"
+            )
         if self.cache_dtype is not None:
             _check_dtype_name("cache_dtype", self.cache_dtype)
 

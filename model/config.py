@@ -176,7 +176,13 @@ def from_hf_dict(
         raise ConfigError(f"{path}: head_dim must be a positive even int, got {head_dim!r}")
     act = _activation(hf, path)
     num_layers = _positive_int(hf, "num_hidden_layers", path)
-    max_pos = _positive_int(hf, "max_position_embeddings", path)
+    # Kimi's hub configs name the context length `model_max_length` (HF maps it the same way).
+    max_pos_key = (
+        "model_max_length"
+        if "max_position_embeddings" not in hf and "model_max_length" in hf
+        else "max_position_embeddings"
+    )
+    max_pos = _positive_int(hf, max_pos_key, path)
     eos = gen.get("eos_token_id", hf.get("eos_token_id"))
     eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
     routing = route(
@@ -386,8 +392,9 @@ def _sliding_windows(hf: dict, num_layers: int, path: str) -> tuple[int | None, 
         )
     out = []
     for i, t in enumerate(layer_types):
-        # DeepSeek-V3.2's DSA layers attend over the whole context (through an indexer's top-k).
-        if t in ("full_attention", "indexed_attention"):
+        # DeepSeek-V3.2's DSA layers attend over the whole context (through an indexer's top-k);
+        # Kimi-Linear's KDA layers keep a recurrent state instead of a window.
+        if t in ("full_attention", "indexed_attention", "linear_attention"):
             out.append(None)
         elif t == "sliding_attention":
             if not isinstance(window, int) or window <= 0:
@@ -398,7 +405,7 @@ def _sliding_windows(hf: dict, num_layers: int, path: str) -> tuple[int | None, 
         else:
             raise ConfigError(
                 f"{path}: layer_types[{i}] = {t!r}; expected 'full_attention', "
-                "'sliding_attention' or 'indexed_attention'"
+                "'sliding_attention', 'indexed_attention' or 'linear_attention'"
             )
     return tuple(out)
 

@@ -83,14 +83,21 @@ def _read_header(file: str) -> tuple[int, dict]:
 class _Reader:
     """Reads tensors by name, keeping each file open once."""
 
-    def __init__(self, tensors: dict[str, TensorInfo], stack: contextlib.ExitStack):
+    def __init__(
+        self,
+        tensors: dict[str, TensorInfo],
+        stack: contextlib.ExitStack,
+        stored: dict[str, str] | None = None,
+    ):
         self._tensors = tensors
         self._stack = stack
+        self._stored = stored or {}  # spec name -> the alias it is stored under
         self._handles: dict[str, object] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
 
     def get(self, name: str) -> np.ndarray:
         info = self._tensors[name]
+        name = self._stored.get(name, name)
         if info.dtype in _NON_NUMPY_DTYPES:
             if info.file not in self._headers:
                 self._headers[info.file] = _read_header(info.file)
@@ -103,6 +110,29 @@ class _Reader:
                 safe_open(info.file, framework="np")
             )
         return self._handles[info.file].get_tensor(name)
+
+
+def apply_aliases(
+    model_cls: type, config: ModelConfig, tensors: dict[str, TensorInfo]
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """(tensors under the names the weight specs use, {spec name: on-disk alias}).
+
+    A family may declare `hf_weight_aliases(config) -> {spec name: alias}`: another spelling the
+    same tensor is stored under (Kimi-Linear's dense MLP is `mlp.*` in hub checkpoints and
+    `block_sparse_moe.*` when transformers 5 saved it). A spec name missing from the checkpoint is
+    read from its alias when that is there."""
+    aliases = getattr(model_cls, "hf_weight_aliases", None)
+    if aliases is None:
+        return tensors, {}
+    stored = {
+        name: alias
+        for name, alias in aliases(config).items()
+        if name not in tensors and alias in tensors
+    }
+    moved = set(stored.values())
+    out = {n: t for n, t in tensors.items() if n not in moved}
+    out.update({name: tensors[alias] for name, alias in stored.items()})
+    return out, stored
 
 
 def check_tensors(model_cls: type, config: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
@@ -176,7 +206,7 @@ def load_model(
     runtime/runner/parallel.py); by default it goes whole to the default device."""
     path = os.fspath(path)
     cls = registry.model_class(model_config.architecture)
-    tensors = list_tensors(path)
+    tensors, stored = apply_aliases(cls, model_config, list_tensors(path))
     check_float_dtypes(model_config, tensors)
     check_tensors(cls, model_config, tensors)
     options = ModelOptions() if options is None else options
@@ -190,7 +220,7 @@ def load_model(
         )
     loaded = []
     with contextlib.ExitStack() as stack:
-        reader = _Reader(tensors, stack)
+        reader = _Reader(tensors, stack, stored)
         for p, var in flat.items():
             # Each parameter in the dtype its module declares (config.dtype, except where a
             # module keeps a part in float32, like the DeepSeek MoE router).

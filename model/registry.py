@@ -29,6 +29,9 @@ _BUILT_IN = (
     ArchitectureEntry(
         "DeepseekV32ForCausalLM", "model.deepseek_v32:DeepseekV32ForCausalLM", ("generate",)
     ),
+    ArchitectureEntry(
+        "KimiLinearForCausalLM", "model.kimi_linear:KimiLinearForCausalLM", ("generate",)
+    ),
     # Encoders: no language-model head, bidirectional attention, no KV cache.
     ArchitectureEntry("BertModel", "model.bert:BertModel", ("pooling",)),
     ArchitectureEntry(

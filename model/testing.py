@@ -48,11 +48,32 @@ DEEPSEEK_TINY = dict(
     first_k_dense_replace=1,
     initializer_range=0.3,
 )
+# Kimi-Linear on TINY_COMMON: KDA, MLA (no rope; latent 16 + 16 = 32, a head dim the Pallas paged
+# attention serves too), KDA; a dense first layer, then MoE with a shared expert.
+KIMI_TINY = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_heads=4,
+    linear_head_dim=16,
+    linear_conv_kernel_dim=4,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=32,
+    initializer_range=0.3,
+)
 _ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_TINY),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_TINY),
 }
 
 
@@ -64,8 +85,8 @@ def write_tiny_checkpoint(
     dtype: str = "float32",
     **overrides,
 ) -> str:
-    """Save a random-weight HF model of `arch` ("llama" | "qwen2" | "qwen3" | "deepseek_v3") as
-    safetensors."""
+    """Save a random-weight HF model of `arch` ("llama" | "qwen2" | "qwen3" | "deepseek_v3" |
+    "kimi_linear") as safetensors."""
     import torch
     import transformers
 
@@ -189,9 +210,16 @@ def make_batch(
     num_tokens: int | None = None,
     num_seqs: int | None = None,
     max_blocks: int | None = None,
+    state_slots: Sequence[int] | None = None,
+    state_reset: Sequence[bool] | None = None,
+    scratch_slot: int = 0,
 ) -> ModelBatch:
     """A padded ModelBatch (logits wanted for every sequence's last token), laid out like the
-    runner's: padding tokens have slot -1, padding sequences kv_len 0 and an all-zero table."""
+    runner's: padding tokens have slot -1, padding sequences kv_len 0 and an all-zero table.
+
+    For models with recurrent state, `state_slots` / `state_reset` give each chunk's state slot and
+    whether it starts from zero; padding rows get `scratch_slot` (the pools' last row) and no reset.
+    """
     t = sum(len(c.tokens) for c in chunks)
     num_tokens = t if num_tokens is None else num_tokens
     num_seqs = len(chunks) if num_seqs is None else num_seqs
@@ -226,6 +254,18 @@ def make_batch(
         cu[s + 1] = off
         logits_idx[s] = off - 1
     cu[len(chunks) + 1 :] = off
+    state = {}
+    if state_slots is not None:
+        if len(state_slots) != len(chunks) or len(state_reset or ()) != len(chunks):
+            raise ValueError(
+                f"state_slots {state_slots} and state_reset {state_reset} need one entry per "
+                f"chunk ({len(chunks)})"
+            )
+        rows = np.full(num_seqs, scratch_slot, np.int32)
+        rows[: len(chunks)] = state_slots
+        reset = np.zeros(num_seqs, bool)
+        reset[: len(chunks)] = state_reset
+        state = dict(state_slots=jnp.asarray(rows), state_reset=jnp.asarray(reset))
     return ModelBatch(
         token_ids=jnp.asarray(ids),
         positions=jnp.asarray(pos),
@@ -235,6 +275,7 @@ def make_batch(
         cu_q_lens=jnp.asarray(cu),
         num_seqs=jnp.asarray(len(chunks), jnp.int32),
         logits_indices=jnp.asarray(logits_idx),
+        **state,
     )
 
 

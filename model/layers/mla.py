@@ -157,7 +157,7 @@ def selected_slots(selected: jax.Array, batch: ModelBatch, block_size: int) -> j
     return jnp.where(ok, block * block_size + pos % block_size, -1).astype(jnp.int32)
 
 
-def _dense_attend(q, cache, batch: ModelBatch, *, sm_scale, impl) -> jax.Array:
+def _dense_attend(q, cache, batch: ModelBatch, *, sm_scale, impl, interpret) -> jax.Array:
     """Causal attention of absorbed queries against the latent pool as both keys and values."""
     return ragged_paged_attention(
         q,
@@ -169,6 +169,7 @@ def _dense_attend(q, cache, batch: ModelBatch, *, sm_scale, impl) -> jax.Array:
         batch.num_seqs,
         sm_scale=sm_scale,
         impl=impl,
+        interpret=interpret,
     )
 
 
@@ -187,12 +188,18 @@ class MLAttention(nnx.Module):
         *,
         backend: Choice,
         sparse_backend: Choice | None = None,
+        use_rope: bool = True,
+        interpret: bool | None = None,
     ):
         s = MLAShape.from_config(config)
         self.shape = s
         self.layer_idx = layer_idx
         self.backend = backend
         self.sparse_backend = sparse_backend
+        # Kimi-Linear's MLA layers take no rope (`mla_use_nope`): q_pe and k_pe stay as projected.
+        self.use_rope = use_rope
+        # Pallas interpret mode of the paged-attention call (None: as `backend` says).
+        self.interpret = interpret
         self.scale = softmax_scale(config)
         hidden, h, bias = config.hidden_size, s.num_heads, s.attention_bias
         if s.q_lora_rank is None:
@@ -230,7 +237,8 @@ class MLAttention(nnx.Module):
             q = self.q_b_proj(self.q_resid(x) if q_resid is None else q_resid)
         q = q.reshape(t, s.num_heads, s.qk_head_dim)
         q_nope, q_pe = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim :]
-        q_pe = rotate_pe(q_pe, cos, sin, s.rope_interleave)
+        if self.use_rope:
+            q_pe = rotate_pe(q_pe, cos, sin, s.rope_interleave)
         w_uk = self._kv_b()[..., : s.qk_nope_head_dim]  # [R, H, nope]
         q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
         return q_lat.astype(x.dtype), q_pe
@@ -240,7 +248,9 @@ class MLAttention(nnx.Module):
         s = self.shape
         ckv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(ckv[:, : s.kv_lora_rank])
-        k_pe = rotate_pe(ckv[:, None, s.kv_lora_rank :], cos, sin, s.rope_interleave)[:, 0]
+        k_pe = ckv[:, s.kv_lora_rank :]
+        if self.use_rope:
+            k_pe = rotate_pe(k_pe[:, None], cos, sin, s.rope_interleave)[:, 0]
         return jnp.concatenate([c, k_pe], axis=-1)
 
     def output(self, attn_latent: jax.Array) -> jax.Array:
@@ -268,7 +278,9 @@ class MLAttention(nnx.Module):
             # every device.
             heads = P(None, GROUP, None)
             attend = on_each_device(
-                functools.partial(_dense_attend, sm_scale=self.scale, impl=self.backend),
+                functools.partial(
+                    _dense_attend, sm_scale=self.scale, impl=self.backend, interpret=self.interpret
+                ),
                 in_specs=(heads, P(), P()),
                 out_specs=heads,
             )

@@ -12,6 +12,7 @@ two experts with identical gate rows, or an all-zero hidden state with equal cor
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
@@ -54,21 +55,36 @@ class MoeSettings:
     routed_scaling_factor: float
 
 
-def moe_settings(config: ModelConfig) -> MoeSettings:
-    """The MoE keys of config.json, checked: a ConfigError names any field vlax cannot serve."""
+def moe_settings(
+    config: ModelConfig,
+    *,
+    names: Mapping[str, str] | None = None,
+    defaults: Mapping[str, object] | None = None,
+) -> MoeSettings:
+    """The MoE keys of config.json, checked: a ConfigError names any field vlax cannot serve.
+
+    A family whose config.json spells the keys otherwise (Kimi-Linear's `num_experts` for
+    `n_routed_experts`, ...) passes `names` (DeepSeek's key -> its own) and its own `defaults`
+    (by DeepSeek's key) for keys its config.json may leave out.
+    """
     hf = config.hf_config
+    names = names or {}
+    defaults = _HF_DEFAULTS if defaults is None else defaults
 
     def field(key):
-        return hf[key] if key in hf else _HF_DEFAULTS[key]
+        name = names.get(key, key)
+        return hf[name] if name in hf else defaults[key]
 
     def refuse(key, value, expected):
         raise ConfigError(
-            f"{config.path}: MoE config field {key!r} = {value!r}; expected {expected}"
+            f"{config.path}: MoE config field {names.get(key, key)!r} = {value!r}; "
+            f"expected {expected}"
         )
 
     for key, wanted in (("scoring_func", _SCORING_FUNC), ("topk_method", _TOPK_METHOD)):
-        if hf.get(key) is not None and hf.get(key) != wanted:
-            refuse(key, hf.get(key), f"{wanted!r} (the DeepSeek-V3 router)")
+        value = hf.get(names.get(key, key))
+        if value is not None and value != wanted:
+            refuse(key, value, f"{wanted!r} (the DeepSeek-V3 router)")
     ints = {}
     for key in (
         "n_routed_experts",
@@ -142,8 +158,15 @@ def route(
 class DeepseekMoE(nnx.Module):
     """x [T, hidden] -> routed experts (weighted by the router) + shared experts, [T, hidden]."""
 
-    def __init__(self, config: ModelConfig, dtype, *, expert_parallel: bool = False):
-        s = moe_settings(config)
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype,
+        settings: MoeSettings | None = None,
+        *,
+        expert_parallel: bool = False,
+    ):
+        s = moe_settings(config) if settings is None else settings
         self.settings = s
         h, e, inter = config.hidden_size, s.n_routed_experts, s.moe_intermediate_size
         # HF keeps the router in float32 whatever the model dtype (_keep_in_fp32_modules_strict).

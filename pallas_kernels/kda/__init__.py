@@ -2,7 +2,12 @@
 
 `kda_prefill` / `kda_decode` pick the Pallas (Triton) kernels on GPUs where they serve the call and
 the jnp references otherwise (always on CPU, unless `impl="pallas"` forces interpret mode), with the
-reason logged. Shapes and semantics are those of reference.py.
+reason logged. Shapes and semantics are those of reference.py. `impl` may also be a `Choice` made
+earlier (a model decides when it is built); the dispatcher then only confirms it.
+
+`interpret`: None follows the choice (interpret mode where Pallas was forced onto a platform it
+cannot compile for); an explicit True or False is honoured, so a CPU host can lower the public
+entry points to Triton for cuda or rocm (`interpret=False` under `.lower(lowering_platforms=...)`).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def kda_prefill(
     if choice.impl == "pallas":
         return choice.fn(
             *args, scale=scale, l2norm_qk=l2norm_qk, chunk_size=chunk_size, v_split=v_split,
-            interpret=True if choice.interpret else interpret,
+            interpret=choice.interpret if interpret is None else interpret,
         )  # fmt: skip
     return choice.fn(*args, scale=scale, l2norm_qk=l2norm_qk)
 
@@ -88,7 +93,7 @@ def kda_decode(
     if choice.impl == "pallas":
         return choice.fn(
             *args, scale=scale, l2norm_qk=l2norm_qk, v_split=v_split,
-            interpret=True if choice.interpret else interpret,
+            interpret=choice.interpret if interpret is None else interpret,
         )  # fmt: skip
     return choice.fn(*args, scale=scale, l2norm_qk=l2norm_qk)
 

@@ -98,3 +98,29 @@ def test_kernels_lower_to_triton(platform):
                 *a, scale=sc, v_split=s, interpret=False
             )
             assert "__gpu$xla.gpu.triton" in _lower(f, dargs, platform), (rows, split)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_public_entry_points_honour_interpret_false(platform):
+    """Pallas forced on this CPU host runs in interpret mode unless the caller says
+    interpret=False; then the public entry points lower to Triton for a GPU (they used to force
+    interpret mode whenever the choice was an interpret-mode one)."""
+    f32 = jnp.float32
+    t, n, h, kd = 40, 3, 2, 32
+    args = (SDS((t, h, kd), f32), SDS((t, h, kd), f32), SDS((t, h, kd), f32),
+            SDS((t, h, kd), f32), SDS((t, h), f32), SDS((n + 1,), jnp.int32),
+            SDS((n, h, kd, kd), f32))  # fmt: skip
+    dargs = (SDS((n, h, kd), f32), SDS((n, h, kd), f32), SDS((n, h, kd), f32),
+             SDS((n, h, kd), f32), SDS((n, h), f32), SDS((5, h, kd, kd), f32),
+             SDS((n,), jnp.int32))  # fmt: skip
+    for interpret, triton in ((False, True), (None, False), (True, False)):
+
+        def prefill(*a, i=interpret):
+            return kda.kda_prefill(*a, scale=kd**-0.5, impl="pallas", interpret=i)
+
+        def decode(*a, i=interpret):
+            return kda.kda_decode(*a, scale=kd**-0.5, impl="pallas", interpret=i)
+
+        for f, a in ((prefill, args), (decode, dargs)):
+            text = _lower(f, a, platform)
+            assert ("__gpu$xla.gpu.triton" in text) is triton, (f.__name__, interpret)
