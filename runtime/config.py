@@ -11,6 +11,7 @@ from runtime.offload.store import KVStore, check_store
 DTYPE_CHOICES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 _OFFLOAD = (None, "host", "mooncake")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 def _positive(name: str, value) -> None:
@@ -22,6 +23,9 @@ def _positive(name: str, value) -> None:
 class EngineConfig:
     model: str
     dtype: str = "auto"
+    # vLLM's runner: "auto" decides from the checkpoint's configuration (model/routing.py);
+    # "pooling" serves a generative checkpoint as an embedder, "generate" a pooling one's LM.
+    runner: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -49,6 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_seqs", self.max_num_seqs)

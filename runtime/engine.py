@@ -28,13 +28,18 @@ from runtime.core.kv import kv_cache
 from runtime.core.kv_jobs import jobs as kv_jobs
 from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs, has_pending_kv_jobs
 from runtime.core.outputs import SchedulerOutput
-from runtime.core.request import FinishReason, Request, SamplingParams
+from runtime.core.request import FinishReason, PoolingParams, Request, SamplingParams
 from runtime.core.scheduling.scheduler_config import SchedulerConfig
 from runtime.input_processor import InputProcessor, ProcessedRequest
 from runtime.output_processor import OutputProcessor
+from runtime.pooling_input_processor import PoolingInputProcessor
+from runtime.pooling_output_processor import PoolingOutputProcessor
+from runtime.pooling_schedule import pooling_engine_config, whole_prompts
 from runtime.request_output import RequestOutput
 from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.model_runner import ModelRunner, model_cache_specs, model_options
+from runtime.runner.pooling_runner import PoolingRunner
+from runtime.runner_choice import generate_on_pooling, pooling_on_generate
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,13 +85,15 @@ class Engine:
                 f"record_steps must be None (keep every step), 0 (keep none) or a positive int "
                 f"(keep the last N), got {record_steps!r}"
             )
+        model_config = ModelConfig.from_pretrained(
+            config.model, dtype=config.dtype, runner=config.runner
+        )
+        # Runner, pooling and attention type, each with the attribute that decided it: once.
+        log.info("%s: %s", config.model, model_config.describe_routing())
+        self.pooling = model_config.runner_type == "pooling"
+        if self.pooling:
+            config = pooling_engine_config(config, model_config)
         self.config = config
-        model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
-        if model_config.runner_type != "generate":
-            raise ConfigError(
-                f"{config.model}: {model_config.architecture} is a {model_config.runner_type} model; "
-                "generation needs a generative (causal LM) checkpoint"
-            )
         max_model_len = config.max_model_len or model_config.max_model_len
         if max_model_len > model_config.max_model_len:
             raise ConfigError(
@@ -108,8 +115,20 @@ class Engine:
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
         self.input_processor = InputProcessor(model_config, self.tokenizer, max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.runner = ModelRunner(
+        self.pooling_input = (
+            PoolingInputProcessor(
+                model_config,
+                self.tokenizer,
+                max_model_len,
+                whole_prompts=whole_prompts(model_config) is not None,
+            )
+            if self.pooling
+            else None
+        )
+        self.output_processor = (
+            PoolingOutputProcessor() if self.pooling else OutputProcessor(self.tokenizer)
+        )
+        self.runner = (PoolingRunner if self.pooling else ModelRunner)(
             model_config,
             block_size=config.block_size,
             max_model_len=max_model_len,
@@ -236,12 +255,34 @@ class Engine:
     ) -> ProcessedRequest:
         """Validate a request (raising an error that names the bad value) without admitting it;
         `params=None` takes the checkpoint's generation defaults."""
+        if self.pooling:
+            raise ValueError(generate_on_pooling(self.model_config))
         return self.input_processor.process(
             request_id,
             prompt_token_ids,
             params,
             prompt=prompt,
             priority=priority,
+            arrival_time=float(next(self._arrival)),
+        )
+
+    def process_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: PoolingParams,
+        *,
+        prompt: str | None = None,
+    ) -> ProcessedRequest:
+        """Validate a pooling request (`params` resolved for its task by
+        `pooling_input.resolve`) without admitting it; admit it with `add_processed`."""
+        if not self.pooling:
+            raise ValueError(pooling_on_generate(self.model_config, params.task or "encode"))
+        return self.pooling_input.process(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt=prompt,
             arrival_time=float(next(self._arrival)),
         )
 

@@ -12,10 +12,17 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from runtime.config import EngineConfig
-from runtime.core.request import SamplingParams
+from runtime.core.request import PoolingParams, SamplingParams
 from runtime.engine import Engine
+from runtime.pooling_outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 from runtime.request_output import RequestOutput
-from vlax import arguments
+from runtime.runner_choice import generate_on_pooling
+from vlax import arguments, llm_pooling
 
 Prompt = str | Mapping[str, object]
 
@@ -85,6 +92,8 @@ class LLM:
 
         The whole batch is validated before any of it is admitted: a bad prompt anywhere raises
         an error naming it, and nothing of the batch runs."""
+        if self.engine.pooling:
+            raise ValueError(generate_on_pooling(self.engine.model_config))
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -115,6 +124,65 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`, a list of floats), in input order.
+        Normalized unless the model or `pooling_params` says otherwise; `dimensions` truncates
+        a matryoshka model's embedding (before normalization)."""
+        return llm_pooling.embed(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`outputs.probs`) from a classification head: softmax
+        over the labels (sigmoid for one label); `use_activation=False` gives the logits."""
+        return llm_pooling.classify(
+            self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (`outputs.score`), pairs formed 1:1, 1:N or N:N: a cross-encoder's
+        probability for the pair, or an embedding model's cosine similarity."""
+        return llm_pooling.score(
+            self, data_1, data_2, pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "token_embed",
+    ) -> list[PoolingRequestOutput]:
+        """Raw pooled outputs (`outputs.data`, a numpy array). The default task, "token_embed",
+        gives every prompt token's final hidden state, [tokens, hidden] (normalized per token
+        unless PoolingParams(normalize=False)); "embed" and "classify" give those tasks' arrays."""
+        return llm_pooling.run_pooling(
+            self, prompts, pooling_task, "encode", pooling_params, truncate_prompt_tokens, use_tqdm
+        )
+
     def _in_order(self, request_ids: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
         finished: dict[str, RequestOutput] = {}  # finished, waiting for the ones before them
         done = 0  # outputs yielded so far
@@ -139,15 +207,22 @@ class LLM:
         """Steps the engine until it is idle, yielding the requests each step finished."""
         engine = self.engine
         bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm)
-        start, first = time.perf_counter(), engine.num_generated_tokens
+        # A pooling engine generates nothing: its rate is of the prompt tokens it pooled.
+        kind = "input" if engine.pooling else "output"
+        counted = (
+            (lambda: engine.output_processor.num_pooled_tokens)
+            if engine.pooling
+            else (lambda: engine.num_generated_tokens)
+        )
+        start, first = time.perf_counter(), counted()
         with bar:
             while engine.has_unfinished_requests():
                 finished = engine.step()
                 if finished:
                     bar.update(len(finished))
                     elapsed = max(time.perf_counter() - start, 1e-9)
-                    rate = (engine.num_generated_tokens - first) / elapsed
-                    bar.set_postfix_str(f"output {rate:.1f} tok/s")
+                    rate = (counted() - first) / elapsed
+                    bar.set_postfix_str(f"{kind} {rate:.1f} tok/s")
                     yield finished
 
 

@@ -38,8 +38,8 @@ from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.runner import multihost, parallel, request_rows
+from runtime.runner.cache_budget import CacheSize, plan_cache
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
-from runtime.runner.cache_budget import plan_cache
 from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
@@ -102,6 +102,17 @@ def model_cache_specs(model_config: ModelConfig, options: ModelOptions) -> tuple
     return registry.model_class(model_config.architecture).cache_specs(model_config, options)
 
 
+def bookkeeping_blocks(
+    block_size: int, max_model_len: int, max_num_seqs: int, num_kv_blocks: int | None
+) -> CacheSize:
+    """The blocks of a family that keeps nothing per token (an encoder: no cache specs). They
+    hold no memory: the scheduler's accounting only, enough for max_num_seqs whole requests
+    unless num_kv_blocks says otherwise."""
+    if num_kv_blocks is None:
+        num_kv_blocks = max_num_seqs * -(-max_model_len // block_size) + 1
+    return CacheSize(num_kv_blocks, 0, 0, 0)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -131,8 +142,10 @@ class ModelRunner:
         )
         self.kv_dtype = options.cache_dtype
         self.cache_specs = model_cache_specs(model_config, options)
-        size = plan_cache(
-            self.cache_specs, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes
+        size = (
+            plan_cache(self.cache_specs, max_model_len, max_num_seqs, num_kv_blocks, kv_cache_bytes)
+            if self.cache_specs
+            else bookkeeping_blocks(block_size, max_model_len, max_num_seqs, num_kv_blocks)
         )
         self.num_kv_blocks = size.num_blocks
         # One slot per sequence that may run (0: the model keeps no recurrent state); the state
@@ -165,7 +178,10 @@ class ModelRunner:
             )
         log.info(
             "KV cache: %s",
-            base.describe(self.cache_specs, self.num_kv_blocks, self.num_state_slots),
+            base.describe(self.cache_specs, self.num_kv_blocks, self.num_state_slots)
+            if self.cache_specs
+            else f"none ({model_config.architecture} keeps nothing per token; its "
+            f"{self.num_kv_blocks} blocks are the scheduler's bookkeeping only)",
         )
         log.info("memory per device: %s", parallel.memory_report(self.params, self.kv_caches))
         self.builder = BatchBuilder(
