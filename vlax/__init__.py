@@ -7,6 +7,7 @@ and report a bad one before JAX is imported (that import alone takes seconds).
 from typing import TYPE_CHECKING
 
 from vlax import logs
+from vlax.batch import batch  # light: Ray and JAX load when a job runs
 
 logs.configure()
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from vlax.llm import LLM
     from vlax.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "batch"]
 
 _HOMES = {
     "LLM": "vlax.llm",

@@ -1,0 +1,161 @@
+"""`vlax.batch` on a local Ray cluster (2 CPUs, 2 actors): a 200-row job gives every row once, in
+input order, with the same completions as `LLM.generate` on the same rows, also when an actor's
+process dies in the middle of the job."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+import vlax
+from vlax import LLM, SamplingParams, cli
+from vlax.batch import CrashOnce
+from vlax.default_corpus import CORPUS
+from vlax.default_model import default_model_path
+
+ENGINE = dict(max_model_len=64, max_num_seqs=16)
+MAX_TOKENS = 4
+WORDS = CORPUS.split()  # prompts of 1-12 words from the tokenizer's own text
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(default_model_path(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # The actors inherit this process's environment (JAX_PLATFORMS=cpu from conftest), and import
+    # this checkout, as this process does, whatever an installed vlax points at.
+    root = str(Path(__file__).resolve().parents[2])
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=200 << 20,
+        runtime_env={"env_vars": {"PYTHONPATH": root}},
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> tuple[str, list[dict]]:
+    """200 rows: text prompts of 1-12 words, every fifth one given as token ids instead."""
+    rows = []
+    for i in range(200):
+        text = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(1 + i % 12))
+        row = {"id": f"q{i:03d}"}
+        if i % 5 == 4:
+            row["prompt_token_ids"] = [1] + [3 + (i * 13 + k) % 800 for k in range(2 + i % 9)]
+        else:
+            row["prompt"] = text
+        rows.append(row)
+    path = tmp_path_factory.mktemp("input") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), rows
+
+
+@pytest.fixture(scope="module")
+def expected(model, prompts) -> list[dict]:
+    """What LLM.generate gives on the same rows, in one call, as the job's output rows."""
+    llm = LLM(model, **ENGINE)
+    rows = prompts[1]
+    outs = llm.generate(
+        [r.get("prompt") or {"prompt_token_ids": r["prompt_token_ids"]} for r in rows],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
+    return [
+        {
+            "id": r["id"],
+            "prompt": o.prompt,
+            "prompt_token_ids": o.prompt_token_ids,
+            "texts": [c.text for c in o.outputs],
+            "token_ids": [c.token_ids for c in o.outputs],
+            "finish_reasons": [c.finish_reason for c in o.outputs],
+        }
+        for r, o in zip(rows, outs, strict=True)
+    ]
+
+
+def _written(path) -> list[dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return [
+        {
+            "id": r["id"],
+            "prompt": r["prompt"],
+            "prompt_token_ids": r["prompt_token_ids"],
+            "texts": [c["text"] for c in r["outputs"]],
+            "token_ids": [c["token_ids"] for c in r["outputs"]],
+            "finish_reasons": [c["finish_reason"] for c in r["outputs"]],
+        }
+        for r in rows
+    ]
+
+
+def test_cli_job_writes_every_row_once_in_input_order_as_llm_generate(
+    cluster, model, prompts, expected, tmp_path
+):
+    out = tmp_path / "out.jsonl"
+    rc = cli.main(
+        [
+            "batch",
+            "--model", model,
+            "--input", prompts[0],
+            "--output", str(out),
+            "--num-actors", "2",
+            "--batch-size", "16",
+            "--max-tokens", str(MAX_TOKENS),
+            "--max-model-len", str(ENGINE["max_model_len"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    written = _written(out)
+    assert [r["id"] for r in written] == [f"q{i:03d}" for i in range(200)]
+    assert written == expected
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_a_crashed_actor_loses_no_row_and_writes_none_twice(
+    cluster, model, prompts, expected, tmp_path
+):
+    marker = tmp_path / "crashed"
+    result = vlax.batch(
+        prompts[0],
+        tmp_path / "out.jsonl",
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        model=model,
+        num_actors=2,
+        batch_size=16,
+        use_tqdm=False,
+        fault_injection=CrashOnce(row=101, marker=str(marker)),
+        **ENGINE,
+    )
+    # The actor holding row 101's batch really died: its process is gone.
+    pid = int(marker.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert result.rows == 200
+    assert _written(tmp_path / "out.jsonl") == expected
+    assert result.output_tokens == sum(len(t) for r in expected for t in r["token_ids"])
+
+
+def test_bad_input_is_named_before_any_actor_starts(cluster, model, tmp_path):
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text('{"id": 1, "text": "hello"}\n')
+    with pytest.raises(
+        ValueError,
+        match=r"expected a 'prompt' or 'prompt_token_ids' column, "
+        r"found \['id', 'text'\]",
+    ):
+        vlax.batch(no_prompt, tmp_path / "out.jsonl", model=model, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"input .*prompts\.csv.: expected a \.jsonl or \.parquet"):
+        vlax.batch(tmp_path / "prompts.csv", tmp_path / "out.jsonl", model=model)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
+        vlax.batch(no_prompt, tmp_path / "out.jsonl", model=model, max_tokens=4)
+    assert not (tmp_path / "out.jsonl").exists()
