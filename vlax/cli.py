@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from runtime.core.request import SamplingParams
-from vlax import arguments, cli_pooling, logs
+from vlax import arguments, logs
 
 _GENERATE_EPILOG = """\
 output:
@@ -43,7 +43,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlax", description="vlax: offline LLM inference")
     sub = ap.add_subparsers(dest="command", required=True)
-    cli_pooling.add_parsers(sub, _HelpFormatter)
     g = sub.add_parser(
         "generate",
         help="generate completions for prompts",
@@ -66,47 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--output", type=Path, help="write one JSON object per completion to this .jsonl file"
     )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="dtype of weights and activations; auto: the checkpoint's own",
-    )
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        help="most tokens (prompt + output) per request (default: the checkpoint's "
-        "max_position_embeddings)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="most tokens in one step (default: 2048; without chunked prefill, at least "
-        "--max-model-len)",
-    )
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        help="KV cache size in blocks (default: room for --max-num-seqs requests of "
-        "--max-model-len tokens, within a memory budget)",
-    )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
-    )
-    g.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="recompute shared prompt prefixes instead of reusing their KV cache",
-    )
-    g.add_argument(
-        "--no-chunked-prefill", action="store_true", help="prefill each prompt in a single step"
-    )
-    g.add_argument("--seed", type=int, default=0, help="engine seed, for prompts without a seed")
+    _add_engine_flags(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
         "-v",
@@ -115,7 +74,59 @@ def _parser() -> argparse.ArgumentParser:
         help="log INFO lines on stderr: the attention backend chosen and why, the KV cache size, "
         "batch shapes",
     )
-    s = g.add_argument_group("sampling")
+    _add_sampling_flags(g)
+    _add_batch_parser(sub)
+    return ap
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The LLM engine's flags (EngineConfig's knobs), shared by the subcommands."""
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="dtype of weights and activations; auto: the checkpoint's own",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="most tokens (prompt + output) per request (default: the checkpoint's "
+        "max_position_embeddings)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="most tokens in one step (default: 2048; without chunked prefill, at least "
+        "--max-model-len)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help="KV cache size in blocks (default: room for --max-num-seqs requests of "
+        "--max-model-len tokens, within a memory budget)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="recompute shared prompt prefixes instead of reusing their KV cache",
+    )
+    p.add_argument(
+        "--no-chunked-prefill", action="store_true", help="prefill each prompt in a single step"
+    )
+    p.add_argument("--seed", type=int, default=0, help="engine seed, for prompts without a seed")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """SamplingParams' flags, shared by the subcommands that generate."""
+    s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion")
     s.add_argument(
         "--min-tokens", type=int, default=0, help="tokens before EOS or a stop may end a completion"
@@ -180,7 +191,66 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="keep the top LOGPROBS log-probabilities of each output token (in --output)",
     )
-    return ap
+
+
+_BATCH_EPILOG = """\
+input:
+  A .jsonl or .parquet file whose rows have 'prompt' (text) or 'prompt_token_ids' (a list of
+  ints), and optionally 'id'; a row without an id gets its position, counted from 0.
+
+output:
+  One JSON object per input row, in input order: {"id", "prompt", "prompt_token_ids",
+  "outputs": [{"index", "text", "token_ids", "finish_reason", "cumulative_logprob", "logprobs"}]}.
+  Rows go to OUTPUT.partial as the job delivers them; it is renamed to OUTPUT once every row is
+  written, so a failed job leaves OUTPUT.partial (the rows done, in order) and no OUTPUT.
+  The progress bar counts rows written over the whole job; the summary goes to stderr.
+
+ray:
+  Without --ray-address (or RAY_ADDRESS) the job starts a local Ray cluster of this machine.
+  An actor whose process dies is restarted and the batches it held run again.
+  --model must be a folder every node can read; without it each node writes the embedded one.
+
+exit status: 0 done; 2 a bad argument or input (flags and the input file are checked before any
+  actor starts); 1 the job failed.
+"""
+
+
+def _add_batch_parser(sub) -> None:
+    b = sub.add_parser(
+        "batch",
+        help="generate completions for a file of prompts on a Ray cluster",
+        description="Generate a completion for every prompt of a file on a pool of Ray actors, "
+        "each holding one LLM (Ray Data map_batches), and write them in input order.",
+        epilog=_BATCH_EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    b.add_argument(
+        "--input", type=Path, required=True, help="the prompts: a .jsonl or .parquet file"
+    )
+    b.add_argument(
+        "--output", type=Path, required=True, help="the .jsonl file to write, one row per prompt"
+    )
+    b.add_argument(
+        "--model",
+        help="a Hugging Face checkpoint folder every node can read (default: the embedded model, "
+        "random weights)",
+    )
+    b.add_argument("--num-actors", type=int, default=1, help="actors, each holding one LLM")
+    b.add_argument("--batch-size", type=int, default=64, help="prompts per map_batches call")
+    b.add_argument("--num-cpus-per-actor", type=float, default=1.0, help="CPUs each actor reserves")
+    b.add_argument(
+        "--num-gpus-per-actor",
+        type=float,
+        default=0.0,
+        help="GPUs each actor reserves (a tensor-parallel group: its size)",
+    )
+    b.add_argument(
+        "--ray-address", help="the Ray cluster to join (default: RAY_ADDRESS, else a local one)"
+    )
+    _add_engine_flags(b)
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("-v", "--verbose", action="store_true", help="log vlax's INFO lines on stderr")
+    _add_sampling_flags(b)
 
 
 def _read_prompts(path: Path) -> list:
@@ -330,22 +400,53 @@ def generate(args) -> int:
     return 0
 
 
+def batch(args) -> int:
+    # vlax.batch checks every argument and the input's columns before any actor starts; Ray and
+    # JAX are imported after that.
+    from vlax.batch import batch as run_job
+
+    result = run_job(
+        args.input,
+        args.output,
+        _sampling_params(args),
+        model=args.model,
+        num_actors=args.num_actors,
+        batch_size=args.batch_size,
+        num_cpus_per_actor=args.num_cpus_per_actor,
+        num_gpus_per_actor=args.num_gpus_per_actor,
+        ray_address=args.ray_address,
+        use_tqdm=not args.no_progress,
+        **_engine_args(args),
+    )
+    seconds = max(result.seconds, 1e-9)
+    print(
+        f"vlax: {result.rows} rows, {result.prompt_tokens} prompt tokens, {result.output_tokens} "
+        f"output tokens in {result.seconds:.2f} s ({result.output_tokens / seconds:.1f} output "
+        f"tok/s, Ray start-up and model loading included); written to {args.output}",
+        file=sys.stderr,
+    )
+    if args.model is None:
+        print(
+            "vlax: no --model was given: that was the embedded default checkpoint (RANDOM "
+            "weights, so the text is gibberish; it shows the engine works).",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)  # exits with status 2 on a malformed command line
-    if args.command in cli_pooling.COMMANDS:
-        return cli_pooling.main(args)
     if args.verbose:
         logs.set_level("INFO")
-    if args.command == "generate":
-        try:
-            return generate(args)
-        except (ValueError, TypeError) as e:
-            print(f"vlax generate: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("vlax generate: interrupted", file=sys.stderr)
-            return 130  # the shell's code for a SIGINT
-    return 1
+    command = {"generate": generate, "batch": batch}[args.command]
+    try:
+        return command(args)
+    except (ValueError, TypeError) as e:
+        print(f"vlax {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"vlax {args.command}: interrupted", file=sys.stderr)
+        return 130  # the shell's code for a SIGINT
 
 
 if __name__ == "__main__":
