@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from runtime.core.request import SamplingParams
-from vlax import arguments, logs
+from vlax import arguments, cli_pooling, logs
 
 _GENERATE_EPILOG = """\
 output:
@@ -43,6 +43,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vlax", description="vlax: offline LLM inference")
     sub = ap.add_subparsers(dest="command", required=True)
+    cli_pooling.add_parsers(sub, _HelpFormatter)
     g = sub.add_parser(
         "generate",
         help="generate completions for prompts",
@@ -436,6 +437,8 @@ def batch(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)  # exits with status 2 on a malformed command line
+    if args.command in cli_pooling.COMMANDS:
+        return cli_pooling.main(args)
     if args.verbose:
         logs.set_level("INFO")
     command = {"generate": generate, "batch": batch}[args.command]
