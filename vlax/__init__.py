@@ -12,11 +12,19 @@ from vlax.batch import batch  # light: Ray and JAX load when a job runs
 logs.configure()
 
 if TYPE_CHECKING:
-    from runtime.core.request import SamplingParams
+    from runtime.core.request import PoolingParams, SamplingParams
     from vlax.llm import LLM
     from vlax.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "batch"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "batch",
+]
 
 _HOMES = {
     "LLM": "vlax.llm",
@@ -24,6 +32,7 @@ _HOMES = {
     "Logprob": "vlax.outputs",
     "RequestOutput": "vlax.outputs",
     "SamplingParams": "runtime.core.request",
+    "PoolingParams": "runtime.core.request",
 }
 
 
