@@ -79,7 +79,7 @@ class BertEmbeddings(nnx.Module):
 
 
 class BertLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, eps: float, backend):
+    def __init__(self, cfg: ModelConfig, eps: float, backend, block_size: int):
         dt, h = cfg.jnp_dtype, cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.qkv = Linear(h, 3 * h, bias=True, dtype=dt)  # HF's query, key, value
@@ -90,18 +90,22 @@ class BertLayer(nnx.Module):
         self.output_norm = LayerNorm(h, eps, dt)
         self.hidden_act = cfg.hidden_act
         self.causal = cfg.attention_type == "causal"
-        self.max_len = cfg.max_model_len
+        self.max_len, self.block_size = cfg.max_model_len, block_size
         self.backend = backend
 
     def __call__(self, x: jax.Array, batch: ModelBatch) -> jax.Array:
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
         q, k, v = jnp.split(self.qkv(x).reshape(t, 3, heads, d), 3, axis=1)
+        # Each sequence is padded to the longest the batch can hold: its block tables cover every
+        # sequence's tokens, so their width bounds them (a static shape, bucketed by the runner
+        # to the step's longest prompt); scores cost S x L^2, so short steps stay cheap.
+        max_len = min(self.max_len, batch.block_tables.shape[1] * self.block_size)
         attended = ragged_self_attention(
             q[:, 0],
             k[:, 0],
             v[:, 0],
             batch.cu_q_lens,
-            max_len=self.max_len,
+            max_len=max_len,
             causal=self.causal,
             sm_scale=d**-0.5,
             backend=self.backend,
@@ -114,10 +118,12 @@ class BertLayer(nnx.Module):
 class BertEncoder(nnx.Module):
     """Embeddings and the layer stack: HF's BertModel without its pooler."""
 
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, options: ModelOptions, backend):
         eps, types = _settings(cfg)
         self.embeddings = BertEmbeddings(cfg, eps, types)
-        self.layers = nnx.List([BertLayer(cfg, eps, backend) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List(
+            [BertLayer(cfg, eps, backend, options.block_size) for _ in range(cfg.num_hidden_layers)]
+        )
 
     def __call__(self, batch: ModelBatch) -> jax.Array:
         x = self.embeddings(batch)
@@ -198,7 +204,7 @@ class BertModel(nnx.Module):
         self.config = config
         backend = _attention_backend(config, options)
         self.backends = (backend,)
-        self.encoder = BertEncoder(config, backend)
+        self.encoder = BertEncoder(config, options, backend)
 
     @classmethod
     def cache_specs(cls, config: ModelConfig, options: ModelOptions) -> tuple:
@@ -229,7 +235,7 @@ class BertForSequenceClassification(nnx.Module):
         backend = _attention_backend(config, options)
         self.backends = (backend,)
         dt, h = config.jnp_dtype, config.hidden_size
-        self.encoder = BertEncoder(config, backend)
+        self.encoder = BertEncoder(config, options, backend)
         self.pooler = Linear(h, h, bias=True, dtype=dt)
         self.classifier = Linear(h, config.num_labels, bias=True, dtype=dt)
 

