@@ -25,3 +25,12 @@ class ModelBatch:
     # BERT token types: 1 marks a cross-encoder pair's second text. The runner fills it for
     # families that read it; None (every token 0) otherwise.
     token_type_ids: jax.Array | None = None  # int32[T]
+    # Multimodal (PaliGemma / ColPali): the runner's encoder path fills these; None for text-only
+    # steps and families. mm_mask marks the rows of this step's tokens that take mm_embeds' row
+    # (same index) instead of the token embedding; rows where it is False are ignored.
+    mm_embeds: jax.Array | None = None  # float[T, hidden]
+    mm_mask: jax.Array | None = None  # bool[T]
+    # Per sequence, the length of its bidirectional prefix (PaliGemma's prefix-LM: image tokens +
+    # prompt attend to each other both ways, the generated suffix causally). None: causal only.
+    # The runner keeps a prefix whole in one step, so a prefix never spans two steps' queries.
+    prefix_lens: jax.Array | None = None  # int32[S]
