@@ -71,6 +71,13 @@ def placement(
         dict(mesh.shape),
         ", ".join(str(d) for d in mesh.devices.flat),
     )
+    if model_config.vocab_size % tensor_parallel_size:
+        log.info(
+            "vocab_size=%d is not a multiple of tensor_parallel_size=%d: the embedding and LM head "
+            "are replicated on every device (JAX splits evenly only; padding would change ids)",
+            model_config.vocab_size,
+            tensor_parallel_size,
+        )
     return Placement(mesh, model_config, expert_parallel)
 
 

@@ -4,7 +4,9 @@ JAX sees as many CPU devices as `--xla_force_host_platform_device_count` gives i
 is set before JAX starts, so the tests run this file as a subprocess with XLA_FLAGS set, and read
 the one JSON line it prints last.
 
-    python parallel_worker.py engines CASES_JSON   # {name: [checkpoint, [tp, ...], ep]}
+    python parallel_worker.py engines CASES_JSON
+        # {"engines": {name: [checkpoint, [tp, ...], ep(, backend, max_tokens)]},
+        #  "refusals": {name: [checkpoint, tp, ep]}}
     python parallel_worker.py host CHECKPOINT TP PROMPT_SHIFT   # one process of a group (env)
 """
 
@@ -18,10 +20,10 @@ ENGINE = dict(max_model_len=64, block_size=4, max_num_seqs=4, num_kv_blocks=40)
 MAX_TOKENS = 8
 
 
-def generate(llm, prompts) -> list[list[int]]:
+def generate(llm, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     from runtime.core.request import SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -53,13 +55,19 @@ def engines(cases: dict) -> dict:
     from vlax import LLM
 
     out = {}
-    for name, (path, sizes, expert_parallel) in cases.items():
+    for name, (path, sizes, expert_parallel, *short) in cases.items():
+        # A short case ([..., backend, max_tokens]) runs the first prompt only.
+        backend, max_tokens = short if short else ("auto", MAX_TOKENS)
         for tp in sizes:
             llm = LLM(
-                path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **ENGINE
+                path,
+                tensor_parallel_size=tp,
+                enable_expert_parallel=expert_parallel,
+                attention_backend=backend,
+                **ENGINE,
             )
             out[f"{name} tp={tp}"] = {
-                "tokens": generate(llm, PROMPTS),
+                "tokens": generate(llm, PROMPTS[:1] if short else PROMPTS, max_tokens),
                 **layout(llm.engine.runner),
             }
             del llm

@@ -3,8 +3,9 @@
 JAX's device count is fixed when it starts, so the engines run in subprocesses
 (parallel_worker.py) with XLA_FLAGS=--xla_force_host_platform_device_count=4; every engine of a
 case runs in one subprocess, built once per module. Checked: greedy tokens identical for TP 1, 2
-and 4 and for DeepSeek-V3 with its experts' intermediate split or whole experts split (expert parallel;
-float32 tiny checkpoints, so the split sums differ from one device's only by rounding), each
+and 4 (also with the Pallas attention kernel, per device under shard_map), and for DeepSeek-V3 with
+its experts' intermediate split or whole experts split (expert parallel; float32 tiny checkpoints,
+so the split sums differ from one device's only by rounding), each
 device holds exactly the replicated weights plus 1/T of the split ones (and 1/T of the K/V pools),
 bad sizes refused with the numbers; two processes over jax.distributed on 127.0.0.1 (a 2 x 2 mesh)
 give one process's tokens, and a process given another prompt is caught at the first step, by name,
@@ -71,6 +72,9 @@ def results(checkpoints):
     cases = {
         "engines": {
             "llama": [checkpoints["llama"], [1, 2, 4], False],
+            # The Pallas paged-attention kernel (interpret mode on the CPU, slow: first prompt,
+            # 3 tokens) per device under shard_map: XLA cannot partition a kernel itself.
+            "llama pallas": [checkpoints["llama"], [2], False, "pallas", 3],
             "qwen3": [checkpoints["qwen3"], [1, 2], False],
             "deepseek": [checkpoints["deepseek"], [1, 4], False],
             "deepseek ep": [checkpoints["deepseek"], [2], True],
@@ -96,6 +100,8 @@ def results(checkpoints):
 
 def test_greedy_tokens_identical_for_every_tp(results):
     engines = results["engines"]
+    pallas = engines["llama pallas tp=2"]["tokens"]
+    assert pallas == [engines["llama tp=1"]["tokens"][0][:3]]
     for name, one_device, sizes in (
         ("llama", "llama", (2, 4)),
         ("qwen3", "qwen3", (2,)),
