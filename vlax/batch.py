@@ -208,6 +208,8 @@ def _numbered(path: Path, batch_size: int):
         positions = pa.array(range(total, total + table.num_rows), pa.int64())
         blocks.append(table.append_column(_ROW, positions))
         total += table.num_rows
+    if total == 0:
+        raise ValueError(f"input {str(path)!r} has no rows")
     return ray.data.from_arrow(blocks), total
 
 
