@@ -23,7 +23,7 @@ from model.layers.mla import MLAShape, MLAttention, choose_backend, mla_rope
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.rotary import rotary_cos_sin
-from model.weight_spec import WeightSpec
+from model.weight_spec import WeightSpec, embedding_spec, head_specs, layer_norm_specs
 
 # HF's DeepseekV3Config default, for checkpoints whose config.json leaves the key out.
 _FIRST_K_DENSE_DEFAULT = 3
@@ -164,23 +164,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
     @classmethod
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
         h = c.hidden_size
-        specs = [
-            WeightSpec(
-                ("model", "embed_tokens", "weight"),
-                (("model.embed_tokens.weight", (c.vocab_size, h)),),
-            )
-        ]
+        specs = [embedding_spec(c.vocab_size, h)]
         for i in range(c.num_hidden_layers):
-            hf, ours = f"model.layers.{i}.", ("model", "layers", i)
             specs += cls.attention_weight_specs(c, i)
             specs += cls.mlp_weight_specs(c, i)
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                specs.append(WeightSpec((*ours, n, "weight"), ((f"{hf}{n}.weight", (h,)),)))
-        specs.append(WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (h,)),)))
-        if not c.tie_word_embeddings:
-            specs.append(
-                WeightSpec(("lm_head", "weight"), (("lm_head.weight", (c.vocab_size, h)),))
-            )
+            specs += layer_norm_specs(i, h)
+        specs += head_specs(c.vocab_size, h, c.tie_word_embeddings)
         return tuple(specs)
 
     @classmethod

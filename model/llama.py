@@ -19,7 +19,7 @@ from model.layers.embeddings import Embedding, lm_logits
 from model.layers.mlp import GatedMLP
 from model.layers.norms import RMSNorm
 from model.layers.rotary import rotary_cos_sin
-from model.weight_spec import WeightSpec
+from model.weight_spec import WeightSpec, embedding_spec, head_specs, layer_norm_specs
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [blocks, block, Hkv, D]
 
@@ -144,12 +144,7 @@ class LlamaForCausalLM(nnx.Module):
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
         h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
         nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
-        specs = [
-            WeightSpec(
-                ("model", "embed_tokens", "weight"),
-                (("model.embed_tokens.weight", (c.vocab_size, h)),),
-            )
-        ]
+        specs = [embedding_spec(c.vocab_size, h)]
         for i in range(c.num_hidden_layers):
             hf, ours = f"model.layers.{i}.", ("model", "layers", i)
             attn = hf + "self_attn."
@@ -215,13 +210,8 @@ class LlamaForCausalLM(nnx.Module):
                         (*ours, "mlp", "down_proj", "bias"), ((mlp + "down_proj.bias", (h,)),)
                     )
                 )
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                specs.append(WeightSpec((*ours, n, "weight"), ((f"{hf}{n}.weight", (h,)),)))
-        specs.append(WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (h,)),)))
-        if not c.tie_word_embeddings:
-            specs.append(
-                WeightSpec(("lm_head", "weight"), (("lm_head.weight", (c.vocab_size, h)),))
-            )
+            specs += layer_norm_specs(i, h)
+        specs += head_specs(c.vocab_size, h, c.tie_word_embeddings)
         return tuple(specs)
 
     @staticmethod

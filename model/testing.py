@@ -291,3 +291,30 @@ def scattered_block_tables(
         out.append(tuple(int(b) for b in ids[i : i + k]))
         i += k
     return out
+
+
+def run_schedule(
+    forward,
+    logits,
+    graphdef,
+    state,
+    caches,
+    tokens: dict[str, Sequence[int]],
+    tables: dict[str, tuple[int, ...]],
+    steps: Sequence[Sequence[tuple[str, int, int]]],
+    block_size: int,
+    **shape,
+):
+    """Runs a hand-made schedule, one batch per step of (seq, start, end) chunks, through the
+    jitted `forward(graphdef, state, caches, batch)` and `logits(graphdef, state, hidden)`;
+    returns (caches, {seq: {position: logits row}}) for every token computed. `shape` pads every
+    batch alike (num_tokens, num_seqs, max_blocks) so the step compiles once."""
+    got: dict[str, dict[int, np.ndarray]] = {}
+    for step in steps:
+        chunks = [SeqChunk(tuple(tokens[s][a:b]), a, tables[s]) for s, a, b in step]
+        caches, hidden = forward(graphdef, state, caches, make_batch(chunks, block_size, **shape))
+        rows = iter(np.asarray(logits(graphdef, state, hidden)))
+        for s, a, b in step:
+            for p in range(a, b):
+                got.setdefault(s, {})[p] = next(rows)
+    return caches, got

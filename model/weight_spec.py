@@ -22,3 +22,29 @@ class WeightSpec:
                 f"WeightSpec {self.path}: {len(self.sources)} sources cannot be stacked "
                 f"{self.stacked} ways"
             )
+
+
+# The pieces every HF decoder-only checkpoint names the same way (Llama, Qwen, DeepSeek, Kimi).
+
+
+def embedding_spec(vocab_size: int, hidden: int) -> WeightSpec:
+    return WeightSpec(
+        ("model", "embed_tokens", "weight"), (("model.embed_tokens.weight", (vocab_size, hidden)),)
+    )
+
+
+def layer_norm_specs(layer_idx: int, hidden: int) -> list[WeightSpec]:
+    """A decoder layer's two norms: before attention and before the MLP."""
+    hf, ours = f"model.layers.{layer_idx}.", ("model", "layers", layer_idx)
+    return [
+        WeightSpec((*ours, n, "weight"), ((f"{hf}{n}.weight", (hidden,)),))
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+
+
+def head_specs(vocab_size: int, hidden: int, tied: bool) -> list[WeightSpec]:
+    """The final norm, and the LM head unless it is tied to the embeddings."""
+    specs = [WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (hidden,)),))]
+    if not tied:
+        specs.append(WeightSpec(("lm_head", "weight"), (("lm_head.weight", (vocab_size, hidden)),)))
+    return specs

@@ -25,6 +25,7 @@ from model.layers.linear import Linear
 from model.layers.mla import token_sequences
 from model.layers.rotary import apply_rotary
 from pallas_kernels.bitcast import from_bits, to_bits
+from pallas_kernels.paged_write import write_rows
 from pallas_kernels.sparse_mla_decode import indexer_topk
 
 # Query tokens scored together when picking top-k: bounds the gathered context keys to
@@ -108,30 +109,11 @@ class Indexer(nnx.Module):
         """(selected int32 [T, topk] absolute positions, -1 padded; the key cache with this
         step's keys written)."""
         (cache,) = key_cache
-        cache = write_pages(cache, self.keys(x, cos, sin), batch.slot_mapping)
+        cache = write_rows(cache, self.keys(x, cos, sin)[:, None, :], batch.slot_mapping)
         selected = select_topk(
             self.queries(q_latent, cos, sin), self.head_weights(x), cache, batch, self.topk
         )
         return selected, (cache,)
-
-
-def write_pages(cache: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """cache [num_blocks, block_size, 1, D] with x [T, D] at the given slots (-1 skipped)."""
-    nb, bs, one, d = cache.shape
-    if one != 1 or x.shape != (slot_mapping.shape[0], d):
-        raise ValueError(
-            f"write_pages: x {x.shape} and slot_mapping {slot_mapping.shape} do not fit a cache "
-            f"[num_blocks, block_size, 1, D={d}] (got {cache.shape}); expected x [T, {d}]"
-        )
-    # Indexed by (block, offset) on the cache's own shape: scattering into a [blocks * block_size, D]
-    # reshape instead made XLA:CPU copy the whole pool on every call, donated or not (45 ms for a
-    # 42 MB pool, where this form writes in place); the size-1 head axis is what the reshape cannot
-    # drop in place (write_kv's flat reshape is in place with 2 KV heads, copies with 1).
-    # A negative index would wrap to the last block; skipped tokens are sent past the end.
-    block = jnp.where(slot_mapping < 0, nb, slot_mapping // bs).astype(jnp.int32)
-    offset = (slot_mapping % bs).astype(jnp.int32)
-    out = to_bits(cache).at[block, offset, 0].set(to_bits(x.astype(cache.dtype)), mode="drop")
-    return from_bits(out, cache.dtype)
 
 
 def context_pages(cache: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -23,12 +23,13 @@ import jax.numpy as jnp
 from model.base import ModelOptions
 from model.batch import ModelBatch
 from model.config import ModelConfig
-from model.layers.dsa_indexer import Indexer, write_pages
+from model.layers.dsa_indexer import Indexer
 from model.layers.mla import (
     MLAShape,
     MLAttention,
     selected_slots,
     token_sequences,
+    write_latent,
 )
 from pallas_kernels import backends
 from pallas_kernels.sparse_mla_decode import OP, reference, sparse_mla_decode
@@ -98,10 +99,7 @@ class SparseMLAttention(MLAttention):
         selected, key_cache = self.indexer(x, q_resid, cos, sin, key_cache, batch)
         (cache,) = latent_cache
         q_lat, q_pe = self.project_q(x, cos, sin, q_resid)
-        # write_pages, not MLA's write_latent: its scatter into a flat reshape of the pool (whose
-        # head axis has size 1) copies the whole pool on XLA:CPU (benchmark model, 16-token decode
-        # step: 499 ms -> 65 ms).
-        cache = write_pages(cache, self.project_latent(x, cos, sin), batch.slot_mapping)
+        cache = write_latent(cache, self.project_latent(x, cos, sin), batch.slot_mapping)
         out = self.attend(q_lat, q_pe, cache, batch, selected)
         return self.output(out), (cache,), key_cache
 
@@ -109,6 +107,8 @@ class SparseMLAttention(MLAttention):
         """Attention in latent space [T, H, kv_lora_rank] over each token's selected positions."""
         if selected is None:
             raise ValueError(f"layer {self.layer_idx}: DSA attention needs the indexer's positions")
+        if self.sparse_backend.impl == "reference":  # one path serves every token
+            return super().attend(q_lat, q_pe, cache, batch, selected)
         r = self.shape.kv_lora_rank
         q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1).astype(cache.dtype)
         nb, bs, _, d = cache.shape
@@ -116,10 +116,6 @@ class SparseMLAttention(MLAttention):
         slots = selected_slots(selected.astype(jnp.int32), batch, bs)
         topk = jnp.int32(slots.shape[1])
         kw = dict(sm_scale=self.scale, d_v=r)
-        if self.sparse_backend.impl == "reference":  # one path serves every token
-            return sparse_mla_decode(q, rows, slots, impl=self.sparse_backend, **kw)[0].astype(
-                q_lat.dtype
-            )
         decode, real = decode_tokens(batch)
         out, _ = sparse_mla_decode(
             q, rows, slots, topk_lengths=jnp.where(decode, topk, 0), impl=self.sparse_backend, **kw

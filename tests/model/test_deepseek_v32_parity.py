@@ -19,7 +19,7 @@ from model.base import ModelOptions
 from model.config import ModelConfig, RopeConfig, from_hf_dict
 from model.deepseek import DeepseekV3ForCausalLM
 from model.deepseek_v32 import DeepseekV32ForCausalLM
-from model.layers.dsa_indexer import Indexer, write_pages
+from model.layers.dsa_indexer import Indexer
 from model.layers.rotary import rotary_cos_sin
 from model.loader import load_model
 from model.testing import (
@@ -328,22 +328,6 @@ def test_cache_specs_and_refusals(v32):
         bad = from_hf_dict({**hf, field: value}, path=path)
         with pytest.raises(ValueError, match=match):
             nnx.eval_shape(lambda c=bad: DeepseekV32ForCausalLM(c, options))
-
-
-def test_write_pages_places_rows_and_skips_padding():
-    """Slot s is (block s // size, offset s % size); slot -1 (padding) writes nothing, where a
-    negative index would wrap to the last block."""
-    nb, bs, d = 5, 4, 3
-    for dtype in (jnp.float32, jnp.bfloat16):
-        cache = jnp.full((nb, bs, 1, d), 7.0, dtype)
-        x = jnp.arange(12, dtype=jnp.float32).reshape(4, d) + 1
-        slots = jnp.array([-1, 6, 19, 0], jnp.int32)
-        got = np.asarray(jax.jit(write_pages)(cache, x, slots).astype(jnp.float32))
-        want = np.full((nb * bs, d), 7.0, np.float32)
-        want[[6, 19, 0]] = np.asarray(x[1:])
-        np.testing.assert_array_equal(got.reshape(nb * bs, d), want, err_msg=str(dtype))
-    with pytest.raises(ValueError, match=r"expected x \[T, 3\]"):
-        write_pages(cache, x[:, :2], slots)
 
 
 def _dense_twin(config, options, sparse_state):

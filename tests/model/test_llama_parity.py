@@ -18,6 +18,7 @@ from model.testing import (
     hf_load,
     hf_logits,
     make_batch,
+    run_schedule,
     scattered_block_tables,
     write_tiny_checkpoint,
 )
@@ -121,17 +122,20 @@ def _ragged_logits(graphdef, state, tokens):
         [("A", 13, 23), ("B", 7, 8), ("C", 0, 17), ("D", 5, 6)],
         [("A", 23, 24), ("B", 8, 9), ("C", 17, 18), ("D", 6, 7)],
     ]
-    got = {k: {} for k in "ABCD"}
-    for step in steps:
-        chunks = [SeqChunk(tuple(tokens[s][a:b]), a, tables[s]) for s, a, b in step]
-        batch = make_batch(chunks, BLOCK, num_tokens=T, num_seqs=S, max_blocks=MB)
-        kv, hidden = FORWARD(graphdef, state, kv, batch)
-        logits = np.asarray(LOGITS(graphdef, state, hidden))
-        row = 0
-        for s, a, b in step:
-            for p in range(a, b):
-                got[s][p] = logits[row]
-                row += 1
+    _, got = run_schedule(
+        FORWARD,
+        LOGITS,
+        graphdef,
+        state,
+        kv,
+        tokens,
+        tables,
+        steps,
+        BLOCK,
+        num_tokens=T,
+        num_seqs=S,
+        max_blocks=MB,
+    )
     return got
 
 

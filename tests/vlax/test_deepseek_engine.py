@@ -29,6 +29,7 @@ from model.testing import (
     write_tiny_checkpoint,
 )
 from runtime.core.request import SamplingParams
+from runtime.offload.testing import check_store_then_load
 from vlax import LLM
 
 NUM_PROMPTS, PROMPT_LEN, BLOCK, MAX_TOKENS = 6, 24, 4, 4
@@ -106,16 +107,14 @@ def test_offload_stores_and_loads_every_pool(family):
     try:
         # A stored block is its slice of every pool.
         assert llm.engine.offloader.store.block_nbytes == sum(s.bytes_per_block for s in specs)
-        assert tokens(llm, PROMPTS) == baseline
-        assert llm.engine.offload_stats.blocks_stored == NUM_PROMPTS * FULL_BLOCKS
-        first_step = len(llm.engine.stats)
-        assert tokens(llm, PROMPTS) == baseline
-        stats = llm.engine.offload_stats
-        assert stats.blocks_loaded == NUM_PROMPTS * HIT_BLOCKS
-        prefill = sum(s.num_prefill_tokens for s in llm.engine.stats[first_step:])
-        assert prefill == NUM_PROMPTS * (PROMPT_LEN - HIT_BLOCKS * BLOCK)
-        assert stats.load_failures == 0 and stats.store_failures == 0
-        assert llm.engine.offloader.errors == []
+        check_store_then_load(
+            llm,
+            lambda engine: tokens(engine, PROMPTS),
+            baseline,
+            stored=NUM_PROMPTS * FULL_BLOCKS,
+            loaded=NUM_PROMPTS * HIT_BLOCKS,
+            prefilled=NUM_PROMPTS * (PROMPT_LEN - HIT_BLOCKS * BLOCK),
+        )
     finally:
         llm.engine.close()
 

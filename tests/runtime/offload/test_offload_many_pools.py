@@ -26,6 +26,7 @@ from model.llama import LlamaForCausalLM
 from model.testing import hf_greedy, hf_load, write_tiny_checkpoint
 from runtime.core.request import SamplingParams
 from runtime.offload.device_copy import block_nbytes, gather_blocks, rows_to_host, scatter_blocks
+from runtime.offload.testing import check_store_then_load
 from vlax import LLM
 
 NUM_PROMPTS, PROMPT_LEN, BLOCK, MAX_TOKENS = 6, 40, 4, 4
@@ -169,16 +170,14 @@ def test_every_pool_of_a_block_is_stored_and_loaded(checkpoint, prompts, baselin
     )
     try:
         assert llm.engine.offloader.store.block_nbytes == BLOCK_BYTES
-        assert tokens(llm, prompts) == baseline
-        assert llm.engine.offload_stats.blocks_stored == NUM_PROMPTS * FULL_BLOCKS
-        first_step = len(llm.engine.stats)
-        assert tokens(llm, prompts) == baseline
-        stats = llm.engine.offload_stats
-        assert stats.blocks_loaded == NUM_PROMPTS * HIT_BLOCKS
-        prefill = sum(s.num_prefill_tokens for s in llm.engine.stats[first_step:])
-        assert prefill == NUM_PROMPTS * (PROMPT_LEN - HIT_BLOCKS * BLOCK)
-        assert stats.load_failures == 0 and stats.store_failures == 0
-        assert llm.engine.offloader.errors == []
+        check_store_then_load(
+            llm,
+            lambda engine: tokens(engine, prompts),
+            baseline,
+            stored=NUM_PROMPTS * FULL_BLOCKS,
+            loaded=NUM_PROMPTS * HIT_BLOCKS,
+            prefilled=NUM_PROMPTS * (PROMPT_LEN - HIT_BLOCKS * BLOCK),
+        )
     finally:
         llm.engine.close()
 
