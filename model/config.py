@@ -23,7 +23,22 @@ RUNNER_TYPES = ("generate", "pooling")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # hidden_act values each model type is served with (others: silu only). BERT's "gelu" is the exact
 # (erf) GELU; "gelu_new" and "gelu_pytorch_tanh" its tanh approximation.
-_ACTIVATIONS = {"bert": ("gelu", "gelu_new", "gelu_pytorch_tanh")}
+_ACTIVATIONS = {
+    "bert": ("gelu", "gelu_new", "gelu_pytorch_tanh"),
+    "gemma": ("gelu_pytorch_tanh",),
+    "paligemma": ("gelu_pytorch_tanh",),
+    "colpali": ("gelu_pytorch_tanh",),
+}
+# HF GemmaConfig's defaults for keys a PaliGemma checkpoint's text_config may leave out
+# (google/paligemma-3b-pt-224 gives neither head_dim nor max_position_embeddings).
+_GEMMA_DEFAULTS = dict(
+    head_dim=256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    hidden_act="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
 # The keys vLLM takes from generation_config.json as sampling defaults.
 _GENERATION_DEFAULT_KEYS = (
     "temperature",
@@ -150,6 +165,7 @@ def from_hf_dict(
 
     gen = gen or {}
     _refuse_unserved(hf, path)
+    whole, hf = hf, _language_view(hf, path)
     arch = _architecture(hf, path)
     num_heads = _positive_int(hf, "num_attention_heads", path)
     hidden = _positive_int(hf, "hidden_size", path)
@@ -214,7 +230,7 @@ def from_hf_dict(
         generation_defaults=immutables.Map(
             {k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None}
         ),
-        hf_config=_freeze(hf),
+        hf_config=_freeze(whole),
         hidden_act=act,
         pooling_type=routing.pooling_type,
         attention_type=routing.attention_type,
@@ -223,6 +239,32 @@ def from_hf_dict(
         num_labels=routing.num_labels,
         routing_reasons=routing.reasons,
     )
+
+
+def _language_view(hf: dict, path: str) -> dict:
+    """The settings of the language model. A PaliGemma checkpoint nests them in text_config (its
+    top-level hidden_size is a leftover default, not the model's), ColPali one level deeper, in
+    vlm_config; their architectures, model_type and dtype stay the checkpoint's own."""
+    model_type = hf.get("model_type")
+    if model_type not in ("paligemma", "colpali"):
+        return hf
+    vlm = hf.get("vlm_config") if model_type == "colpali" else hf
+    where = "vlm_config.text_config" if model_type == "colpali" else "text_config"
+    text = vlm.get("text_config") if isinstance(vlm, dict) else None
+    if not isinstance(text, dict):
+        raise ConfigError(f"{path}: a {model_type!r} checkpoint needs {where}")
+    if text.get("model_type", "gemma") != "gemma":
+        raise ConfigError(
+            f"{path}: {where}.model_type = {text.get('model_type')!r}: only a 'gemma' language "
+            "model is served (PaliGemma 2's gemma2 is not)"
+        )
+    view = {**_GEMMA_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if view.get("hidden_act") == "gelu":  # HF's GemmaConfig reads the legacy "gelu" as tanh
+        view["hidden_act"] = "gelu_pytorch_tanh"
+    for key in ("architectures", "model_type", "dtype", "torch_dtype"):
+        if key in hf:
+            view[key] = hf[key]
+    return view
 
 
 def _read_json(file: str, *, required: bool) -> dict | None:

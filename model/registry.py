@@ -32,6 +32,14 @@ _BUILT_IN = (
     ArchitectureEntry(
         "KimiLinearForCausalLM", "model.kimi_linear:KimiLinearForCausalLM", ("generate",)
     ),
+    ArchitectureEntry("GemmaForCausalLM", "model.gemma:GemmaForCausalLM", ("generate",)),
+    ArchitectureEntry(
+        "PaliGemmaForConditionalGeneration",
+        "model.paligemma:PaliGemmaForConditionalGeneration",
+        ("generate",),
+    ),
+    # Multi-vector retrieval: one L2-normalised vector per token (late interaction).
+    ArchitectureEntry("ColPaliForRetrieval", "model.paligemma:ColPaliForRetrieval", ("pooling",)),
     # Encoders: no language-model head, bidirectional attention, no KV cache.
     ArchitectureEntry("BertModel", "model.bert:BertModel", ("pooling",)),
     ArchitectureEntry(

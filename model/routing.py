@@ -175,6 +175,12 @@ def _attention_type(hf: dict, path: str) -> tuple[str, str]:
         if hf.get("is_decoder"):
             return "causal", f"model_type={model_type!r} with is_decoder=true"
         return "bidirectional", f"model_type={model_type!r} is an encoder and is_decoder is not set"
+    if model_type == "colpali":
+        # HF's ColPali processor marks every token of a page or query as prefix (token_type_ids
+        # all 0), so PaliGemma's prefix-LM mask makes the whole input bidirectional.
+        return "bidirectional", (
+            "model_type='colpali' embeds its whole input as PaliGemma's bidirectional prefix"
+        )
     if hf.get("is_causal") is False:
         raise ConfigError(
             f"{path}: config field 'is_causal' = false asks for bidirectional attention in a "

@@ -35,15 +35,17 @@ def choose_backend(
     block_size: int,
     sliding_window: int | None,
     impl: str,
+    prefix_lm: bool = False,
 ) -> Choice:
     """The paged-attention implementation for layers of these shapes (one decision, logged).
 
     Described by shapes alone, so it is made before any array exists; `sliding_window` is any
-    window the layers use (None when none does), as the implementation must serve every layer.
+    window the layers use (None when none does), as the implementation must serve every layer;
+    `prefix_lm` says the layers pass a bidirectional prefix length per sequence (PaliGemma).
     """
     q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
     k_cache = jax.ShapeDtypeStruct((1, block_size, num_kv_heads, head_dim), cache_dtype)
-    return select(q, k_cache, sliding_window=sliding_window, impl=impl)
+    return select(q, k_cache, sliding_window=sliding_window, prefix_lm=prefix_lm, impl=impl)
 
 
 class Attention(nnx.Module):
@@ -82,7 +84,10 @@ class Attention(nnx.Module):
         sin: jax.Array,
         kv_cache: tuple[jax.Array, jax.Array],
         batch: ModelBatch,
+        prefix_lens: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """`prefix_lens` int32[S]: each sequence's first prefix_lens[s] positions attend both
+        ways (a prefix LM); None: causal."""
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
@@ -96,14 +101,16 @@ class Attention(nnx.Module):
             functools.partial(
                 _attend, sm_scale=d**-0.5, sliding_window=self.sliding_window, impl=self.backend
             ),
-            in_specs=(heads, heads, heads, pages, pages, P()),
+            in_specs=(heads, heads, heads, pages, pages, P(), P()),
             out_specs=(heads, pages, pages),
         )
-        out, k_cache, v_cache = attend(q, k, v, *kv_cache, batch)
+        out, k_cache, v_cache = attend(q, k, v, *kv_cache, batch, prefix_lens)
         return self.o_proj(out.reshape(t, hq * d)), (k_cache, v_cache)
 
 
-def _attend(q, k, v, k_cache, v_cache, batch: ModelBatch, *, sm_scale, sliding_window, impl):
+def _attend(
+    q, k, v, k_cache, v_cache, batch: ModelBatch, prefix_lens, *, sm_scale, sliding_window, impl
+):
     """The cache write and the attention kernel; per device, on its own heads, under tensor
     parallelism (a Pallas kernel cannot be partitioned by XLA)."""
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -117,6 +124,7 @@ def _attend(q, k, v, k_cache, v_cache, batch: ModelBatch, *, sm_scale, sliding_w
         batch.num_seqs,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        prefix_lens=prefix_lens,
         impl=impl,
     )
     return out, k_cache, v_cache

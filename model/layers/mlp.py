@@ -1,4 +1,4 @@
-"""SwiGLU MLP with the gate and up projections fused into one matmul."""
+"""Gated MLP (SwiGLU, or GeGLU for Gemma) with the gate and up projections fused into one matmul."""
 
 from __future__ import annotations
 
@@ -8,15 +8,26 @@ from flax import nnx
 from model.layers.linear import Linear
 from model.sharding import group_size, split_fused
 
+# The gate activations served, by HF's hidden_act name.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+
 
 class GatedMLP(nnx.Module):
-    def __init__(self, hidden: int, intermediate: int, *, bias: bool, dtype):
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool, dtype, act: str = "silu"):
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"gated MLP activation {act!r} not served; served: {sorted(ACTIVATIONS)}"
+            )
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
         self.intermediate = intermediate
+        self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
         n = self.intermediate
         gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)

@@ -1,5 +1,5 @@
-"""RMSNorm with HF's rounding (normalise in f32, round to the activation dtype, then scale), and
-LayerNorm with torch's (encoders)."""
+"""RMSNorm with HF's rounding (normalise in f32, round to the activation dtype, then scale),
+Gemma's RMSNorm (scale by 1 + weight in f32, then round), and LayerNorm with torch's (encoders)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,24 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+def offset_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: the stored weight is an offset from 1, and the scaling happens in f32
+    before the one rounding (HF: `(x * w).to(dtype)`, where Llama rounds first)."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(var + eps) * (1.0 + weight.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+class OffsetRMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return offset_rms_norm(x, self.weight[...], self.eps)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:

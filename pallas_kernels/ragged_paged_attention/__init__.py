@@ -45,8 +45,10 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seq
         raise ValueError(f"{OP}: num_seqs must be a scalar, got shape {num_seqs.shape}")
 
 
-def features_of(sliding_window, soft_cap) -> frozenset[str]:
+def features_of(sliding_window, soft_cap, prefix_lm: bool = False) -> frozenset[str]:
     f = {"ragged"}
+    if prefix_lm:
+        f.add("prefix_lm")
     if sliding_window is not None:
         f.add("sliding_window")
     if soft_cap is not None:
@@ -54,16 +56,19 @@ def features_of(sliding_window, soft_cap) -> frozenset[str]:
     return frozenset(f)
 
 
-def select(q, k_cache, *, sliding_window=None, soft_cap=None, impl="auto", platform=None):
+def select(
+    q, k_cache, *, sliding_window=None, soft_cap=None, prefix_lm=False, impl="auto", platform=None
+):
     """The backend choice for a call with these arguments; `q` and `k_cache` may be
-    `jax.ShapeDtypeStruct`s, so a model can decide when it is built, before any array exists."""
+    `jax.ShapeDtypeStruct`s, so a model can decide when it is built, before any array exists.
+    `prefix_lm`: the call passes prefix_lens (a bidirectional prefix per sequence)."""
     return backends.select(
         OP,
         impl=impl,
         platform=platform,
         dtype=q.dtype,
         head_dim=q.shape[-1],
-        features=features_of(sliding_window, soft_cap),
+        features=features_of(sliding_window, soft_cap, prefix_lm),
         kv_dtype=k_cache.dtype.name if hasattr(k_cache.dtype, "name") else str(k_cache.dtype),
         block_size=k_cache.shape[1],
         num_q_heads=q.shape[1],
@@ -84,6 +89,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_kv_splits: int | str = "auto",
+    prefix_lens=None,
     impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
@@ -91,7 +97,9 @@ def ragged_paged_attention(
 
     `impl` is a `Choice` made earlier by `select` (confirmed, not re-decided), or "auto" / an
     implementation's name to decide here. `num_kv_splits` ("auto" or an int) only affects the Pallas
-    kernel; every split count gives the same result within float tolerance.
+    kernel; every split count gives the same result within float tolerance. `prefix_lens`
+    int32[S] makes each sequence's first prefix_lens[s] positions attend both ways (a prefix LM);
+    only implementations declaring the "prefix_lm" feature serve it.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:
@@ -104,8 +112,24 @@ def ragged_paged_attention(
         raise ValueError(
             f"{OP}: num_kv_splits must be 'auto' or an int >= 1, got {num_kv_splits!r}"
         )
-    choice = select(q, k_cache, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
+    if prefix_lens is not None:
+        if sliding_window is not None:
+            raise ValueError(f"{OP}: prefix_lens with a sliding window is not served")
+        if prefix_lens.shape != kv_lens.shape:
+            raise ValueError(
+                f"{OP}: prefix_lens {prefix_lens.shape} must be [S] like kv_lens {kv_lens.shape}"
+            )
+    choice = select(
+        q,
+        k_cache,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        prefix_lm=prefix_lens is not None,
+        impl=impl,
+    )
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if prefix_lens is not None:
+        kwargs["prefix_lens"] = prefix_lens
     if choice.impl == "pallas":
         kwargs["num_kv_splits"] = num_kv_splits
         kwargs["interpret"] = choice.interpret if interpret is None else interpret
@@ -120,7 +144,7 @@ backends.register(
         fn=reference.ragged_paged_attention,
         priority=0,
         platforms=frozenset({"cpu", "cuda", "rocm"}),
-        features=frozenset({"ragged", "sliding_window", "soft_cap"}),
+        features=frozenset({"ragged", "sliding_window", "soft_cap", "prefix_lm"}),
     )
 )
 
@@ -153,6 +177,8 @@ backends.register(
         # covers D=256 in interpret mode and the gpu_kernels benchmark has a D=256 case passing
         # (ok=true) on both a CUDA and a ROCm device.
         head_dims=frozenset({16, 32, 64, 128}),
+        # No "prefix_lm": its KV walk stops at each query's causal diagonal (vLLM PR 52050's
+        # lesson: a call passing prefix_lens goes to an implementation that honours it).
         features=frozenset({"ragged", "sliding_window", "soft_cap"}),
         check=_pallas_limits,
     )
