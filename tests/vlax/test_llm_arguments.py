@@ -50,8 +50,13 @@ def test_misspelt_keyword_names_the_nearest_accepted_ones(float16_path):
 
 
 def test_keyword_with_no_near_name_lists_every_accepted_one(float16_path):
+    with pytest.raises(TypeError, match=r"'swap_space'; accepted: .*block_size, .*max_num_seqs, "):
+        LLM(float16_path, swap_space=4)
+
+
+def test_more_devices_than_there_are_is_refused_with_the_numbers(float16_path):
     with pytest.raises(
-        TypeError, match=r"'tensor_parallel_size'; accepted: .*block_size, .*max_num_seqs, "
+        ConfigError, match=r"tensor_parallel_size=2 needs 2 devices .* this process has 1 \(cpu"
     ):
         LLM(float16_path, tensor_parallel_size=2)
 
