@@ -49,6 +49,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    # Multimodal models: the encoder cache and the encoder embeddings computed per step, both in
+    # encoder embeddings (vLLM's encoder_cache_size / encoder_compute_budget); None:
+    # max_num_batched_tokens, vLLM's default.
+    encoder_cache_size: int | None = None
+    encoder_compute_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -100,6 +105,9 @@ class EngineConfig:
                 f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
             )
         _positive("data_parallel_size", self.data_parallel_size)
+        for name in ("encoder_cache_size", "encoder_compute_budget"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         if self.data_parallel_size != 1:
             raise ConfigError(
                 f"data_parallel_size={self.data_parallel_size}: one LLM is one engine; run "

@@ -31,6 +31,8 @@ from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import FinishReason, PoolingParams, Request, SamplingParams
 from runtime.core.scheduling.scheduler_config import SchedulerConfig
 from runtime.input_processor import InputProcessor, ProcessedRequest
+from runtime.multimodal.image_prompt import ImagePrompt
+from runtime.multimodal.prefix_lm import prefix_lm_engine_config
 from runtime.output_processor import OutputProcessor
 from runtime.pooling_input_processor import PoolingInputProcessor
 from runtime.pooling_output_processor import PoolingOutputProcessor
@@ -93,6 +95,8 @@ class Engine:
         self.pooling = model_config.runner_type == "pooling"
         if self.pooling:
             config = pooling_engine_config(config, model_config)
+        else:
+            config = prefix_lm_engine_config(config, model_config)
         self.config = config
         max_model_len = config.max_model_len or model_config.max_model_len
         if max_model_len > model_config.max_model_len:
@@ -153,6 +157,8 @@ class Engine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 policy=config.scheduling_policy,
+                encoder_cache_size=config.encoder_cache_size,
+                encoder_compute_budget=config.encoder_compute_budget,
             )
         except sched.SchedulerConfigError as err:
             # The pure core cannot raise the project's ConfigError; callers catch that one.
@@ -252,19 +258,39 @@ class Engine:
         *,
         prompt: str | None = None,
         priority: int = 0,
+        images: ImagePrompt | None = None,
     ) -> ProcessedRequest:
         """Validate a request (raising an error that names the bad value) without admitting it;
-        `params=None` takes the checkpoint's generation defaults."""
+        `params=None` takes the checkpoint's generation defaults. `images`: the prompt's images
+        (InputProcessor.image_prompt), whose placeholders `prompt_token_ids` holds."""
         if self.pooling:
             raise ValueError(generate_on_pooling(self.model_config))
-        return self.input_processor.process(
+        processed = self.input_processor.process(
             request_id,
             prompt_token_ids,
             params,
             prompt=prompt,
             priority=priority,
             arrival_time=float(next(self._arrival)),
+            images=images,
         )
+        return self._check_encoder_fit(processed)
+
+    def _check_encoder_fit(self, processed: ProcessedRequest) -> ProcessedRequest:
+        """Refuse an image whose encoder output alone exceeds the encoder cache or the
+        encoder compute budget: it could never be encoded."""
+        config = self.state.config
+        limit = min(config.encoder_cache_size, config.encoder_compute_budget)
+        for k, item in enumerate(processed.children[0].mm_inputs):
+            if item.num_embeds > limit:
+                raise ValueError(
+                    f"request {processed.request_id!r}: image {k}'s encoder output is "
+                    f"{item.num_embeds} embeddings, more than encoder_cache_size="
+                    f"{config.encoder_cache_size} / encoder_compute_budget="
+                    f"{config.encoder_compute_budget} hold; raise them to at least "
+                    f"{item.num_embeds}"
+                )
+        return processed
 
     def process_pooling_request(
         self,
@@ -273,18 +299,21 @@ class Engine:
         params: PoolingParams,
         *,
         prompt: str | None = None,
+        images: ImagePrompt | None = None,
     ) -> ProcessedRequest:
         """Validate a pooling request (`params` resolved for its task by
         `pooling_input.resolve`) without admitting it; admit it with `add_processed`."""
         if not self.pooling:
             raise ValueError(pooling_on_generate(self.model_config, params.task or "encode"))
-        return self.pooling_input.process(
+        processed = self.pooling_input.process(
             request_id,
             prompt_token_ids,
             params,
             prompt=prompt,
             arrival_time=float(next(self._arrival)),
+            images=images,
         )
+        return self._check_encoder_fit(processed)
 
     def add_request(
         self,
@@ -336,6 +365,12 @@ class Engine:
             self.state = state
         for processed in batch:
             self.output_processor.add(processed)
+            if processed.pixel_values:
+                # The images go to the runner's vision tower; the core holds only their hashes.
+                for child in processed.children:
+                    self.runner.encoder_path.add_request(
+                        child.request_id, child.mm_inputs, processed.pixel_values
+                    )
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort the unfinished requests among `request_ids` (running, waiting, preempted or

@@ -26,6 +26,13 @@ from dataclasses import dataclass, replace
 from model.config import ModelConfig
 from runtime.config import ConfigError
 from runtime.core.request import Request, SamplingParams
+from runtime.multimodal.image_prompt import (
+    ImagePrompt,
+    build_image_prompt,
+    image_spec,
+    images_of,
+    prefix_salt,
+)
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,9 @@ class ProcessedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     children: tuple[Request, ...]
+    # Each image's preprocessed pixels, index-aligned with every child's mm_inputs: the shell
+    # keeps them for the runner's vision tower (the core sees only hashes and placeholders).
+    pixel_values: tuple = ()
 
 
 def resolve_eos_token_ids(
@@ -129,6 +139,11 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = resolve_eos_token_ids(model_config, tokenizer)
         self.default_params = default_sampling_params(model_config)
+        self.architecture, self.path = model_config.architecture, model_config.path
+        # None for a model that takes no images.
+        self.image_spec = image_spec(
+            model_config.architecture, model_config.hf_config, model_config.path
+        )
         # A batch usually shares one SamplingParams: tokenize its bad words once, and hand every
         # request the same resolved object (the runner computes per-params constants once).
         self._with_bad_words = functools.lru_cache(maxsize=256)(self._resolve_bad_words)
@@ -152,6 +167,26 @@ class InputProcessor:
             f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}"
         )
 
+    def image_prompt(self, prompt: object, own: str) -> tuple[str | None, ImagePrompt]:
+        """`prompt_inputs` for a prompt that may carry multi_modal_data: its text and its token
+        ids with its images' placeholders (an image model's text prompt gets its '\\n')."""
+        images = []
+        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+            images = images_of(prompt["multi_modal_data"], own)
+        spec = self.image_spec
+        if images and spec is None:
+            raise ValueError(
+                f"{own}: multi_modal_data holds {len(images)} image(s), but {self.architecture} "
+                f"({self.path}) takes no images"
+            )
+        if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = str(prompt["prompt"])
+        if spec is not None and isinstance(prompt, str):
+            # HF's PaliGemma processor ends every prefix with "\n" (and vLLM's does the same).
+            prompt = prompt if prompt.endswith("\n") else prompt + "\n"
+        text, ids = self.prompt_inputs(prompt)
+        return text, build_image_prompt(spec, own, ids, images)
+
     def process(
         self,
         request_id: str,
@@ -161,6 +196,7 @@ class InputProcessor:
         prompt: str | None = None,
         priority: int = 0,
         arrival_time: float = 0.0,
+        images: ImagePrompt | None = None,
     ) -> ProcessedRequest:
         """Validate one request and build its core requests; raises ValueError / TypeError naming
         the bad value (the request id first) and changes nothing."""
@@ -174,7 +210,14 @@ class InputProcessor:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"{own}: priority must be an int, got {priority!r}")
         ids = self._prompt_ids(own, prompt_token_ids)
+        mm_inputs = ()
+        if images is not None:
+            if tuple(images.token_ids) != ids:
+                raise ValueError(f"{own}: the image prompt's token ids are not the prompt's")
+            mm_inputs = images.mm_inputs
         self._check_params(own, params, len(ids))
+        # An image model's prompt is one bidirectional prefix: a prefix hit needs all of it.
+        salt = None if self.image_spec is None else prefix_salt(ids, mm_inputs)
         if params.bad_words:
             try:
                 params = self._with_bad_words(params)
@@ -194,9 +237,12 @@ class InputProcessor:
                     eos_token_ids=self.eos_token_ids,
                     arrival_time=arrival_time,
                     priority=priority,
+                    mm_inputs=mm_inputs,
+                    cache_salt=salt,
                 )
             )
-        return ProcessedRequest(request_id, prompt, ids, params, tuple(children))
+        pixels = () if images is None else images.pixel_values
+        return ProcessedRequest(request_id, prompt, ids, params, tuple(children), pixels)
 
     def _prompt_ids(self, own: str, prompt_token_ids) -> tuple[int, ...]:
         if isinstance(prompt_token_ids, str | bytes) or not hasattr(prompt_token_ids, "__iter__"):

@@ -12,11 +12,12 @@ prompt longer than max_model_len is refused with both numbers and how to truncat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from model.config import ModelConfig
 from runtime.core.request import PoolingParams, Request
 from runtime.input_processor import ProcessedRequest
+from runtime.multimodal.image_prompt import ImagePrompt, build_image_prompt, image_spec, images_of
 from runtime.tokenizer import Tokenizer
 
 # Tasks a model serves: a classification head classifies and scores pairs (a cross-encoder);
@@ -44,6 +45,10 @@ class PoolingInputProcessor:
         self.vocab_size = model_config.vocab_size
         self.whole_prompts = whole_prompts
         self.tasks = supported_tasks(model_config)
+        # None for a model that takes no images.
+        self.image_spec = image_spec(
+            model_config.architecture, model_config.hf_config, model_config.path
+        )
         hf = model_config.hf_config
         dims = hf.get("matryoshka_dimensions")
         self._matryoshka = dict(
@@ -132,8 +137,10 @@ class PoolingInputProcessor:
         *,
         prompt: str | None = None,
         arrival_time: float = 0.0,
+        images: ImagePrompt | None = None,
     ) -> ProcessedRequest:
-        """Validate one pooling request (params already resolved by `resolve`)."""
+        """Validate one pooling request (params already resolved by `resolve`); `images`: its
+        images' placeholders and pixels (an image model's prompt, from `image_prompt`)."""
         own = f"request {request_id!r}"
         if params.task not in self.tasks:
             raise ValueError(
@@ -169,8 +176,45 @@ class PoolingInputProcessor:
                 f"{own}: the pair's second text starts at token {start} of {len(ids)}: "
                 "truncation left nothing of it"
             )
-        request = Request(request_id, ids, pooling_params=params, arrival_time=arrival_time)
-        return ProcessedRequest(request_id, prompt, ids, params, (request,))
+        mm_inputs, pixels = (), ()
+        if images is not None:
+            if tuple(images.token_ids) != ids:
+                raise ValueError(f"{own}: the image prompt's token ids are not the prompt's")
+            mm_inputs, pixels = images.mm_inputs, images.pixel_values
+        request = Request(
+            request_id, ids, pooling_params=params, arrival_time=arrival_time, mm_inputs=mm_inputs
+        )
+        return ProcessedRequest(request_id, prompt, ids, params, (request,), pixels)
+
+    def image_prompt(
+        self, prompt: object, params: PoolingParams, own: str
+    ) -> tuple[str | None, ImagePrompt]:
+        """`prompt_ids` for an image model's prompt (it may carry multi_modal_data): its
+        images' placeholders go first; truncation must not cut into them."""
+        images = []
+        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+            images = images_of(prompt["multi_modal_data"], own)
+            prompt = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+        if images and self.image_spec is None:
+            raise ValueError(
+                f"{own}: multi_modal_data holds {len(images)} image(s), but "
+                f"{self.model_config.architecture} ({self.model_config.path}) takes no images"
+            )
+        if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = str(prompt["prompt"])
+        if self.image_spec is not None and isinstance(prompt, str) and not prompt.endswith("\n"):
+            # PaliGemma's processor ends every prefix with "\n" (ColPali's too).
+            prompt += "\n"
+        text, ids = self.prompt_ids(prompt, params)
+        built = build_image_prompt(self.image_spec, own, ids, images)
+        keep = self.truncation(params)
+        if keep is not None and len(built.token_ids) > keep:
+            raise ValueError(
+                f"{own}: truncate_prompt_tokens={keep} would cut into the prompt's "
+                f"{len(built.token_ids)} tokens, {len(images)} image(s) included; an image "
+                "prompt is not truncated"
+            )
+        return text, built
 
     def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -103,8 +103,15 @@ class LLM:
         engine = self.engine
         batch = []
         for prompt, params in zip(prompts, params_list, strict=True):
-            text, ids = engine.input_processor.prompt_inputs(prompt)
-            batch.append(engine.process_request(str(next(self._ids)), ids, params, prompt=text))
+            request_id = str(next(self._ids))
+            # A prompt dict may carry {"multi_modal_data": {"image": ...}}: its placeholders go
+            # into the token ids, its pixels to the runner.
+            text, built = engine.input_processor.image_prompt(prompt, f"request {request_id!r}")
+            batch.append(
+                engine.process_request(
+                    request_id, built.token_ids, params, prompt=text, images=built
+                )
+            )
         engine.add_processed(batch)
         yield from self._in_order([p.request_id for p in batch], use_tqdm)
 
@@ -147,9 +154,7 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (`outputs.probs`) from a classification head: softmax
         over the labels (sigmoid for one label); `use_activation=False` gives the logits."""
-        return llm_pooling.classify(
-            self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm
-        )
+        return llm_pooling.classify(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
 
     def score(
         self,

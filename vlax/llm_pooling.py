@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from runtime.core.request import PoolingParams
+from runtime.multimodal.image_prompt import is_multi_vector
 from runtime.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -61,21 +62,37 @@ def run_pooling(
                 params or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens
             )
         params = pooling.resolve(params, task)
-        if pairs is None:
+        images = None
+        if pairs is None and (pooling.image_spec is not None or _has_images(item)):
+            text, images = pooling.image_prompt(item, params, f"prompt {len(batch)}")
+            ids = images.token_ids
+        elif pairs is None:
             text, ids = pooling.prompt_ids(item, params)
         else:
             first, second = item
             ids, start = pooling.encode(first, second, max_length=pooling.truncation(params))
             text, params = None, replace(params, token_type_start=start)
         request_id = str(next(llm._ids))
-        batch.append(engine.process_pooling_request(request_id, ids, params, prompt=text))
+        batch.append(
+            engine.process_pooling_request(request_id, ids, params, prompt=text, images=images)
+        )
     engine.add_processed(batch)
     return list(llm._in_order([p.request_id for p in batch], use_tqdm))
 
 
+def _has_images(item) -> bool:
+    return isinstance(item, Mapping) and "multi_modal_data" in item
+
+
+def _embed_task(llm) -> str:
+    """A late-interaction retriever (ColPali) embeds every token: its embedding is
+    [tokens, dim]; other embedders pool one vector."""
+    return "token_embed" if is_multi_vector(llm.engine.model_config.architecture) else "embed"
+
+
 def embed(llm, prompts, pooling_params, truncate_prompt_tokens, use_tqdm):
     outs = run_pooling(
-        llm, prompts, "embed", "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        llm, prompts, _embed_task(llm), "embed", pooling_params, truncate_prompt_tokens, use_tqdm
     )
     return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
@@ -127,8 +144,9 @@ def score(llm, data_1, data_2, pooling_params, truncate_prompt_tokens, use_tqdm)
         raise TypeError("LLM.score() takes one PoolingParams for an embedding model")
     # 1:N embeds the one first prompt once.
     lefts = firsts[:1] if len(set(map(id, firsts))) == 1 else firsts
+    task = _embed_task(llm)
     outs = run_pooling(
-        llm, [*lefts, *seconds], "embed", "score", pooling_params, truncate_prompt_tokens, use_tqdm
+        llm, [*lefts, *seconds], task, "score", pooling_params, truncate_prompt_tokens, use_tqdm
     )
     left_outs, right_outs = outs[: len(lefts)], outs[len(lefts) :]
     if len(left_outs) == 1:
@@ -136,15 +154,25 @@ def score(llm, data_1, data_2, pooling_params, truncate_prompt_tokens, use_tqdm)
     scores = []
     for left, right in zip(left_outs, right_outs, strict=True):
         u, v = _data(left), _data(right)
-        cosine = float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12))
+        if task == "token_embed":
+            value = max_sim(u, v)
+        else:
+            value = float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12))
         scores.append(
             ScoringRequestOutput(
                 f"{left.request_id}_{right.request_id}",
-                ScoringOutput(cosine),
+                ScoringOutput(value),
                 left.prompt_token_ids + right.prompt_token_ids,
             )
         )
     return scores
+
+
+def max_sim(query: np.ndarray, document: np.ndarray) -> float:
+    """Late interaction (ColBERT / ColPali): each query token's best dot product over the
+    document's tokens, summed over the query tokens (ColPaliProcessor.score_retrieval)."""
+    sims = np.asarray(query, np.float32) @ np.asarray(document, np.float32).T
+    return float(sims.max(axis=1).sum())
 
 
 def _data(out: PoolingRequestOutput) -> np.ndarray:

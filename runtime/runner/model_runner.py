@@ -37,9 +37,11 @@ from model.sharding import replicated
 from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from runtime.multimodal.image_prompt import image_spec
 from runtime.runner import multihost, parallel, request_rows
 from runtime.runner.cache_budget import CacheSize, plan_cache
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
+from runtime.runner.encoder_path import EncoderPath
 from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
@@ -192,6 +194,18 @@ class ModelRunner:
             num_state_slots=self.num_state_slots,
         )
         self.rows: dict[str, RequestRow] = {}
+        # A vision-language model's encoder outputs and their placeholder rows (None: text only).
+        spec = image_spec(model_config.architecture, model_config.hf_config, model_config.path)
+        self.encoder_path = (
+            None
+            if spec is None
+            else EncoderPath(
+                self.graphdef,
+                self.params,
+                image_size=spec.image_size,
+                num_image_tokens=spec.num_image_tokens,
+            )
+        )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. If it raises before the device step took the KV cache, the runner is as
@@ -200,16 +214,23 @@ class ModelRunner:
         multihost.check_agreement(scheduler_output)
         order, undo = request_rows.apply(self.rows, scheduler_output)
         if not order:
+            if self.encoder_path is not None:
+                self.encoder_path.end_step(scheduler_output)
             return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
         caches = self.kv_caches
         try:
             # Every jitted call of the step traces under the engine's mesh (the model's layers
             # read it: model/sharding.py); subclasses' _execute too.
             with self._on_mesh():
-                return self._execute(scheduler_output, order)
+                out = self._execute(scheduler_output, order)
+            if self.encoder_path is not None:
+                self.encoder_path.end_step(scheduler_output)
+            return out
         except Exception as err:
             if self.kv_caches is caches and not _taken(caches):
                 request_rows.undo(self.rows, undo)
+                if self.encoder_path is not None:
+                    self.encoder_path.undo_step()
                 raise
             raise RunnerLost(
                 f"step {scheduler_output.step}: the device step failed after it took the KV cache ({err!r}); "
@@ -268,7 +289,7 @@ class ModelRunner:
         # Host arrays go to the jitted step as they are: the call transfers them in its C++
         # dispatch (jnp.asarray on each one first cost ~80 us apiece, most of a decode step's
         # host time).
-        batch = ModelBatch(**host_batch.arrays)
+        batch = ModelBatch(**host_batch.arrays, **self._multimodal(scheduler_output, host_batch))
         if self.placement is not None:
             batch, metadata = self.placement.host_inputs((batch, metadata))
         self.kv_caches, out, hidden = _step(
@@ -292,6 +313,23 @@ class ModelRunner:
             logprobs=None if logprobs is None else tuple(logprobs.get(r) for r in order),
             prompt_logprobs=prompt_lp,
         )
+
+    def _multimodal(self, scheduler_output: SchedulerOutput, host_batch: HostBatch) -> dict:
+        """A vision-language model's batch fields: this step's encoder outputs run and spliced
+        at their placeholder rows (mm_embeds / mm_mask), and each sequence's bidirectional
+        prefix (its prompt: image tokens + text) in prefix_lens. Always given for such a model,
+        so a step with no image rows compiles the same program."""
+        path = self.encoder_path
+        if path is None:
+            return {}
+        path.encode(scheduler_output.scheduled_encoder_inputs)
+        order = host_batch.req_ids
+        num_rows = host_batch.arrays["token_ids"].shape[0]
+        computed = {r: self.rows[r].num_computed_tokens for r in order}
+        embeds, mask = path.rows(order, computed, scheduler_output.num_scheduled_tokens, num_rows)
+        prefix_lens = np.zeros(host_batch.arrays["kv_lens"].shape[0], np.int32)
+        prefix_lens[: len(order)] = [self.rows[r].prompt_len for r in order]
+        return dict(mm_embeds=embeds, mm_mask=mask, prefix_lens=prefix_lens)
 
     def _on_mesh(self):
         """The context a step's jitted calls trace under: the engine's mesh, if it has one."""

@@ -79,7 +79,7 @@ class PoolingRunner(ModelRunner):
             self.graphdef,
             self.params,
             self.kv_caches,
-            ModelBatch(**arrays),
+            ModelBatch(**arrays, **self._multimodal(scheduler_output, host_batch)),
             pooling_type=self.pooling_type,
             classify=self.classifies,
             want_hidden=want_hidden,

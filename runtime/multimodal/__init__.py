@@ -1,0 +1,1 @@
+"""Multimodal inputs in the shell: image preprocessing, content hashes and placeholder layout."""
