@@ -9,10 +9,13 @@ HF scales only the token embeddings by sqrt(hidden_size).
 
 Attention is PaliGemma's prefix LM: the image and prompt tokens (ModelBatch.prefix_lens per
 sequence) attend to each other both ways, the generated suffix causally, as HF computes it when its
-processor passes token_type_ids (0 over image and prompt). Without prefix_lens the model is causal,
-as HF is without token_type_ids. ColPali's whole input is the prefix (its processor marks every
-token 0), so it attends bidirectionally over each sequence, which the pooling runner computes
-whole in one step. Rotary positions count from 1, as HF's PaliGemma does.
+processor passes token_type_ids (0 over image and prompt, 1 over a suffix). Without prefix_lens
+the model is causal; the runner always passes them, since HF 5's PaliGemma attends its whole first
+forward both ways even without token_type_ids (text_config.use_bidirectional_attention defaults to
+true and SDPA then drops the causal mask), so a prompt is always a prefix. ColPali's whole input
+is the prefix (its processor marks every token 0), so it attends bidirectionally over each
+sequence, which the pooling runner computes whole in one step. Rotary positions count from 1,
+as HF's PaliGemma does.
 """
 
 from __future__ import annotations
