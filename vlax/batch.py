@@ -93,7 +93,9 @@ def batch(
     position, counted from 0). Each output row is `{"id", "prompt", "prompt_token_ids",
     "outputs": [{"index", "text", "token_ids", "finish_reason", "cumulative_logprob",
     "logprobs"}]}`. `sampling_params` (default: the checkpoint's defaults, as `LLM.generate`)
-    applies to every prompt.
+    applies to every prompt. A row that `LLM.generate` refuses (no prompt, too long for
+    max_model_len) stops the job with a ValueError naming its position and id, once the rows
+    before its batch are written (to OUTPUT.partial, which a failed job leaves behind).
 
     Ray: a running Ray session is used as it is; otherwise `ray.init(address=ray_address)`
     connects to a cluster (None: RAY_ADDRESS, else a new local one) and is shut down at the end.
@@ -259,13 +261,16 @@ def _write(outputs, total: int, path: Path, use_tqdm: bool) -> tuple[int, int, i
     ):
         for part in outputs.iter_batches(batch_size=None, batch_format="pyarrow"):
             rows = part[_ROW].to_pylist()
-            for row, line in zip(rows, part["line"].to_pylist(), strict=True):
+            lines, errors = part["line"].to_pylist(), part["error"].to_pylist()
+            for row, line, error in zip(rows, lines, errors, strict=True):
                 if row != due:
                     raise RuntimeError(
                         f"the job delivered input row {row} where row {due} was due: "
                         f"{'a duplicate' if row < due else f'rows {due}..{row - 1} are missing'}"
-                        f"; {partial} holds rows 0..{due - 1}"
+                        f"; {partial} holds the {due} rows before it"
                     )
+                if error is not None:
+                    raise ValueError(f"{error} ({partial} holds the {due} rows before it)")
                 sink.write(line + "\n")
                 due += 1
             sink.flush()
@@ -291,40 +296,59 @@ class _Generator:
         self.fault_injection = fault_injection
 
     def __call__(self, table):
-        import pyarrow as pa
-
         records = table.to_pylist()
-        rows = [r[_ROW] for r in records]
-        prompts = [_prompt(r) for r in records]
-        try:
-            outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        except (ValueError, TypeError) as err:
-            raise ValueError(self._name_bad_row(records, prompts, err)) from err
+        out = generate_rows(self.llm, self.params, records)
         if self.fault_injection is not None:
-            self.fault_injection.strike(rows)
-        lines = [json.dumps(_record(r, out)) for r, out in zip(records, outs, strict=True)]
-        return pa.table(
-            {
-                _ROW: pa.array(rows, pa.int64()),
-                "line": pa.array(lines, pa.string()),
-                "prompt_tokens": pa.array([len(o.prompt_token_ids) for o in outs], pa.int64()),
-                "output_tokens": pa.array(
-                    [sum(len(c.token_ids) for c in o.outputs) for o in outs], pa.int64()
-                ),
-            }
-        )
+            self.fault_injection.strike([r[_ROW] for r in records])
+        return out
 
-    def _name_bad_row(self, records, prompts, err) -> str:
-        """generate's error names its own request id; the user needs the input row. The rows are
-        checked one at a time (each check changes nothing) to find the first bad one."""
-        processor = self.llm.engine.input_processor
-        for record, prompt in zip(records, prompts, strict=True):
-            try:
-                text, ids = processor.prompt_inputs(prompt)
-                processor.process("check", ids, self.params, prompt=text)
-            except (ValueError, TypeError) as row_err:
-                return f"input row {record[_ROW]} (id {_id(record)!r}): {row_err}"
-        return str(err)
+
+def generate_rows(llm, params: SamplingParams, records: list[dict]):
+    """One batch's output table: per row its position, JSON line and token counts. A batch with a
+    bad row (no prompt, too long, an id outside the vocabulary...) is not generated: every row
+    carries the error instead, naming the first bad row, and the writer raises it when the
+    batch's turn comes, so the rows before it are written and the message reaches the caller as
+    a ValueError (raised here, Ray would hand the driver a traceback in a UserCodeException)."""
+    rows = [r[_ROW] for r in records]
+    try:
+        outs = llm.generate([_prompt(r) for r in records], params, use_tqdm=False)
+    except (ValueError, TypeError) as err:
+        error = _first_bad_row(llm, params, records) or str(err)
+        return _table(rows, [None] * len(rows), [0] * len(rows), [0] * len(rows), error)
+    return _table(
+        rows,
+        [json.dumps(_record(r, out)) for r, out in zip(records, outs, strict=True)],
+        [len(o.prompt_token_ids) for o in outs],
+        [sum(len(c.token_ids) for c in o.outputs) for o in outs],
+        None,
+    )
+
+
+def _table(rows, lines, prompt_tokens, output_tokens, error: str | None):
+    import pyarrow as pa
+
+    return pa.table(
+        {
+            _ROW: pa.array(rows, pa.int64()),
+            "line": pa.array(lines, pa.string()),
+            "prompt_tokens": pa.array(prompt_tokens, pa.int64()),
+            "output_tokens": pa.array(output_tokens, pa.int64()),
+            "error": pa.array([error] * len(rows), pa.string()),
+        }
+    )
+
+
+def _first_bad_row(llm, params, records) -> str | None:
+    """generate's error names its own request id; the user needs the input row. The rows are
+    checked one at a time (each check changes nothing) to find the first bad one."""
+    processor = llm.engine.input_processor
+    for record in records:
+        try:
+            text, ids = processor.prompt_inputs(_prompt(record))
+            processor.process(str(_id(record)), ids, params, prompt=text)
+        except (ValueError, TypeError) as err:
+            return f"input row {record[_ROW]}: {err}"
+    return None
 
 
 def _prompt(record: Mapping) -> str | dict:
@@ -336,9 +360,7 @@ def _prompt(record: Mapping) -> str | dict:
         )
     if text is not None:
         return text
-    raise ValueError(
-        f"input row {record[_ROW]} (id {_id(record)!r}) has no 'prompt' or 'prompt_token_ids'"
-    )
+    raise ValueError(f"id {_id(record)!r} has no 'prompt' or 'prompt_token_ids'")
 
 
 def _id(record: Mapping) -> object:

@@ -211,8 +211,9 @@ ray:
   An actor whose process dies is restarted and the batches it held run again.
   --model must be a folder every node can read; without it each node writes the embedded one.
 
-exit status: 0 done; 2 a bad argument or input (flags and the input file are checked before any
-  actor starts); 1 the job failed.
+exit status: 0 done; 2 a bad argument or input: flags and the input's columns are checked before
+  any actor starts, and a row the engine refuses (no prompt, too long) stops the job when its turn
+  comes, naming its position and id; 1 the job failed otherwise.
 """
 
 
