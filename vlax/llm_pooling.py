@@ -16,6 +16,7 @@ from runtime.core.request import PoolingParams
 from runtime.multimodal.image_prompt import is_multi_vector
 from runtime.pooling_outputs import (
     ClassificationRequestOutput,
+    EmbeddingOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     ScoringOutput,
@@ -91,9 +92,16 @@ def _embed_task(llm) -> str:
 
 
 def embed(llm, prompts, pooling_params, truncate_prompt_tokens, use_tqdm):
+    task = _embed_task(llm)
     outs = run_pooling(
-        llm, prompts, _embed_task(llm), "embed", pooling_params, truncate_prompt_tokens, use_tqdm
+        llm, prompts, task, "embed", pooling_params, truncate_prompt_tokens, use_tqdm
     )
+    if task == "token_embed":
+        # Multi-vector: each input's embedding is a float32 [tokens, dim] array.
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(_data(o)), o.prompt_token_ids)
+            for o in outs
+        ]
     return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
 

@@ -39,8 +39,13 @@ log = logging.getLogger(__name__)
 def _pool_step(graphdef, params, caches, batch, *, pooling_type, classify, want_hidden):
     caches, hidden = forward(graphdef, params, caches, batch)
     pooled = pool(hidden, batch.cu_q_lens, batch.num_seqs, pooling_type)
-    logits = nnx.merge(graphdef, params).classify(pooled) if classify else None
-    return caches, pooled, logits, (hidden if want_hidden else None)
+    model = nnx.merge(graphdef, params)
+    logits = model.classify(pooled) if classify else None
+    rows = None
+    if want_hidden:
+        # A late-interaction retriever (ColPali) projects each token's state to its embedding.
+        rows = model.embed_tokens(hidden) if hasattr(model, "embed_tokens") else hidden
+    return caches, pooled, logits, rows
 
 
 class PoolingRunner(ModelRunner):
