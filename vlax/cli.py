@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_engine_flags(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
+        "--no-compilation-cache",
+        action="store_true",
+        help="do not keep compiled steps in JAX's persistent compilation cache "
+        "($VLAX_CACHE_DIR/jax, else ~/.cache/vlax/jax), which lets the next run of the same model "
+        "skip compiling",
+    )
+    g.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -367,7 +374,7 @@ def generate(args) -> int:
             file=sys.stderr,
         )
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_args)
+    llm = LLM(args.model, compilation_cache=not args.no_compilation_cache, **engine_args)
     t1 = time.perf_counter()
     sink = None if args.output is None else args.output.open("w")
     n_prompt = n_out = n_done = 0

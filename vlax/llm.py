@@ -42,12 +42,24 @@ class LLM:
     `record_steps` keeps the last N steps' scheduler outputs and stats in `llm.engine.history` /
     `llm.engine.stats` (None: all of them; the default 0: none, so a long job keeps nothing per
     step).
+    `compilation_cache=True` turns on JAX's persistent compilation cache in vlax's cache
+    directory (vlax/compilation_cache.py), so a second process on the same checkpoint loads its
+    compiled steps instead of compiling them; False leaves JAX's settings alone.
     """
 
     def __init__(
-        self, model: str | None = None, *, record_steps: int | None = 0, **engine_args
+        self,
+        model: str | None = None,
+        *,
+        record_steps: int | None = 0,
+        compilation_cache: bool = True,
+        **engine_args,
     ) -> None:
         arguments.check_keywords("LLM()", engine_args, _accepted_keywords())
+        if compilation_cache:
+            from vlax import compilation_cache as persistent_cache
+
+            persistent_cache.enable()
         if model is None:
             from vlax.default_model import default_model_path
 
