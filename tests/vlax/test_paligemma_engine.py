@@ -183,7 +183,7 @@ def test_a_tiny_encoder_cache_gives_the_same_tokens_and_frees_only_what_is_gone(
     assert [o.outputs[0].token_ids for o in late] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_image_errors_name_the_request(llm):
+def test_image_errors_name_the_request(checkpoint, llm):
     good = _image(60, 8, 8)
     cases = {
         "two images": (
@@ -199,3 +199,9 @@ def test_image_errors_name_the_request(llm):
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], GREEDY, use_tqdm=False)
         assert not llm.engine.has_unfinished_requests(), name
+    # An encoder output larger than the whole encoder cache could never be encoded: refused
+    # before anything runs (no step is taken, so this engine compiles nothing).
+    small = LLM(checkpoint, **ENGINE, encoder_cache_size=8)
+    with pytest.raises(ValueError, match="image 0's encoder output is 16 embeddings, more than "):
+        small.generate([_request([5, 6], good)], GREEDY, use_tqdm=False)
+    assert not small.engine.has_unfinished_requests() and small.engine.totals.steps == 0
