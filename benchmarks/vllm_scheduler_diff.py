@@ -1,7 +1,7 @@
 """Differential check: vlax's scheduler against vLLM 0.33's V1 scheduler, step by step.
 
-Both schedulers get the same requests, arrivals, aborts and synthetic sampled tokens (text only,
-synchronous scheduling); every step must give the same:
+Both schedulers get the same requests, arrivals, aborts and synthetic sampled tokens (text only);
+every step must give the same:
 - tokens scheduled per request, and preempted ids in order;
 - computed tokens of each scheduled request before the step (so prefix-hit lengths at
   admission, and the recompute of resumed requests);
@@ -9,6 +9,10 @@ synchronous scheduling); every step must give the same:
 - free blocks after schedule() and after update(), and, for pools of at most
   `FREE_ORDER_MAX_BLOCKS` blocks, the whole free queue in eviction order;
 - requests that finished in update(), with their reason (max_tokens, max_model_len).
+With `--async`, vLLM's AsyncScheduler against vlax's async mode (SchedulerConfig.async_scheduling):
+step N+1 is scheduled before step N's output is applied (vLLM's engine core order with one step
+in flight: schedule N+1, update N), so step N+1 is planned with step N's tokens as placeholders;
+the synthetic token of a step is a function of its position, known when the step is planned.
 A separate `block_pool` row drives vLLM's BlockPool and vlax's block pool with the same random
 take / cache / hit / release operations and compares the free queue and hash lookups after each.
 
@@ -38,6 +42,8 @@ vLLM is not a project dependency: run this from a separate environment, e.g.
         xgrammar fastapi partial-json-parser llguidance einops   # what it imports here
     /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py            # every case, 6 seeds
     /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py --cases priority --seeds 3 --json
+
+    /tmp/vllmenv/bin/python benchmarks/vllm_scheduler_diff.py --async      # the async modes
 
 vLLM's Scheduler is built from a folder holding only a tiny config.json, with
 skip_tokenizer_init=True and DeviceConfig(device="cuda"), which touches no GPU. Exit status 0
@@ -195,9 +201,10 @@ def finish_order_workload(rng: random.Random) -> list[tuple[int, Request]]:
 # ---------------------------------------------------------------- vLLM side
 
 
-def make_vllm_scheduler(case: dict, model_dir: str):
+def make_vllm_scheduler(case: dict, model_dir: str, async_mode: bool = False):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -214,7 +221,7 @@ def make_vllm_scheduler(case: dict, model_dir: str):
         long_prefill_token_threshold=case.get("long_prefill", 0),
         policy=case.get("policy", "fcfs"),
         is_encoder_decoder=False,
-        async_scheduling=False,
+        async_scheduling=async_mode,
     )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE, enable_prefix_caching=case.get("prefix_caching", True)
@@ -238,7 +245,7 @@ def make_vllm_scheduler(case: dict, model_dir: str):
             )
         ],
     )
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if async_mode else Scheduler)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -281,7 +288,8 @@ def vllm_request(request: Request):
     )
 
 
-def vllm_step(scheduler, check_order: bool) -> dict:
+def vllm_schedule(scheduler, check_order: bool) -> tuple[dict, object, object]:
+    """schedule(): the row's schedule fields, the output, and the runner's output for it."""
     from vllm.v1.outputs import ModelRunnerOutput as VllmRunnerOutput
 
     pool = scheduler.kv_cache_manager.block_pool
@@ -292,10 +300,12 @@ def vllm_step(scheduler, check_order: bool) -> dict:
     sampled, computed = [], {}
     for request_id in req_ids:
         request = scheduler.requests[request_id]
-        # vLLM advances num_computed_tokens inside schedule().
-        computed[request_id] = request.num_computed_tokens - out.num_scheduled_tokens[request_id]
-        done = request.num_computed_tokens >= request.num_tokens
-        sampled.append([token(request.num_tokens, request.num_prompt_tokens)] if done else [])
+        # vLLM advances num_computed_tokens inside schedule(); the sampled token's position is
+        # the advanced count (async: placeholders included), and it samples unless mid-prefill.
+        position = request.num_computed_tokens
+        computed[request_id] = position - out.num_scheduled_tokens[request_id]
+        done = not request.is_prefill_chunk
+        sampled.append([token(position, request.num_prompt_tokens)] if done else [])
     row = {
         "scheduled": dict(out.num_scheduled_tokens),
         "preempted": list(scheduler.preemption_order),
@@ -310,7 +320,13 @@ def vllm_step(scheduler, check_order: bool) -> dict:
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
+    return row, out, runner_output
+
+
+def vllm_update(scheduler, out, runner_output) -> dict:
+    pool = scheduler.kv_cache_manager.block_pool
     engine_outputs = scheduler.update_from_output(out, runner_output)
+    row = {}
     row["finished"] = {
         o.request_id: o.finish_reason.name.lower()
         for outputs in engine_outputs.values()
@@ -333,7 +349,7 @@ def vllm_abort(scheduler, request_id: str) -> str:
 # ---------------------------------------------------------------- vlax side
 
 
-def make_vlax_scheduler(case: dict) -> sch.SchedulerState:
+def make_vlax_scheduler(case: dict, async_mode: bool = False) -> sch.SchedulerState:
     return sch.make_scheduler(
         sch.SchedulerConfig(
             max_num_seqs=case["max_num_seqs"],
@@ -345,20 +361,29 @@ def make_vlax_scheduler(case: dict) -> sch.SchedulerState:
             enable_chunked_prefill=case.get("chunked_prefill", True),
             long_prefill_token_threshold=case.get("long_prefill", 0),
             policy=case.get("policy", "fcfs"),
+            async_scheduling=async_mode,
         )
     )
 
 
-def vlax_step(state: sch.SchedulerState, check_order: bool) -> tuple[sch.SchedulerState, dict, int]:
-    """One step; also returns how many requests finished at max_model_len."""
+def vlax_schedule(state: sch.SchedulerState, check_order: bool) -> tuple:
+    """schedule(): the new state, the row's schedule fields, the output and the runner's."""
     state, out = sch.schedule(state)
     rows, computed = [], {}
+    # Positions from the output (async: they count the steps in flight).
+    position_of = {
+        data.req_id: data.num_computed_tokens
+        for data in (*out.scheduled_new_reqs, *out.scheduled_cached_reqs)
+    }
     for request_id, n in out.num_scheduled_tokens.items():
         request = state.requests[request_id]
-        # The state schedule() returns still holds the counts from before the step.
-        computed[request_id] = request.num_computed_tokens
-        done = request.num_computed_tokens + n >= request.num_tokens
-        rows.append((token(request.num_tokens, request.num_prompt_tokens),) if done else ())
+        computed[request_id] = position_of[request_id]
+        if state.config.async_scheduling:
+            done = state.in_flight[request_id][-1][2]
+        else:
+            done = request.num_computed_tokens + n >= request.num_tokens
+        position = position_of[request_id] + n
+        rows.append((token(position, request.num_prompt_tokens),) if done else ())
     row = {
         "scheduled": dict(out.num_scheduled_tokens),
         "preempted": list(out.preempted_req_ids),
@@ -369,8 +394,15 @@ def vlax_step(state: sch.SchedulerState, check_order: bool) -> tuple[sch.Schedul
     if check_order:
         row["free_order"] = list(bp.free_order(state.kv.pool))
     runner_output = ModelRunnerOutput(tuple(out.num_scheduled_tokens), tuple(rows))
+    return state, row, out, runner_output
+
+
+def vlax_update(state: sch.SchedulerState, out, runner_output) -> tuple:
+    """update(): the new state, the row's update fields, and how many requests finished at
+    max_model_len."""
     before = state
     state, outputs = sch.update(state, out, runner_output)
+    row = {}
     row["finished"] = {o.req_id: o.finish_reason.value for o in outputs if o.finished}
     row["free_after_update"] = kvc.num_free_blocks(state.kv)
     capped = sum(
@@ -391,19 +423,22 @@ def abort_candidates(state: sch.SchedulerState, kind: str) -> list[str]:
 # ---------------------------------------------------------------- comparison
 
 
-def compare(name: str, seed: int, model_dir: str) -> dict:
+def compare(name: str, seed: int, model_dir: str, async_mode: bool = False) -> dict:
     case = WORKLOADS[name]
     workload, abort_steps = make_workload(case, seed)
     rng = random.Random(seed + 1_000_003)
-    vllm_scheduler = make_vllm_scheduler(case, model_dir)
-    state = make_vlax_scheduler(case)
+    vllm_scheduler = make_vllm_scheduler(case, model_dir, async_mode)
+    state = make_vlax_scheduler(case, async_mode)
+    # Async: the step scheduled last and not yet applied, (vlax out, runner out, vLLM out,
+    # vLLM runner out); its update follows the next schedule (one step in flight).
+    pending = None
     check_order = case["num_blocks"] <= FREE_ORDER_MAX_BLOCKS
     abort_steps = set(abort_steps)
     stats = {"preemptions": 0, "prefix_hit_tokens": 0, "finished": 0, "capped": 0}
     stats.update({f"aborted_{kind}": 0 for kind in ABORT_KINDS})
     next_arrival = due_aborts = steps = 0
     mismatch = None
-    while next_arrival < len(workload) or sch.has_unfinished_requests(state):
+    while next_arrival < len(workload) or sch.has_unfinished_requests(state) or pending:
         while next_arrival < len(workload) and workload[next_arrival][0] <= steps:
             request = workload[next_arrival][1]
             state = sch.add_request(state, request)
@@ -425,8 +460,21 @@ def compare(name: str, seed: int, model_dir: str) -> dict:
         if mismatch is not None:
             break
         running_before = set(state.running)
-        state, ours, capped = vlax_step(state, check_order)
-        theirs = vllm_step(vllm_scheduler, check_order)
+        scheduled = None
+        if next_arrival < len(workload) or sch.has_unfinished_requests(state):
+            state, ours, out, runner_out = vlax_schedule(state, check_order)
+            theirs, vllm_out, vllm_runner_out = vllm_schedule(vllm_scheduler, check_order)
+            scheduled = (out, runner_out, vllm_out, vllm_runner_out)
+        else:
+            ours, theirs = {}, {}  # async: only the last step's update is left
+        if not async_mode:
+            pending, scheduled = scheduled, None
+        capped = 0
+        if pending is not None:
+            state, ours_update, capped = vlax_update(state, *pending[:2])
+            ours.update(ours_update)
+            theirs.update(vllm_update(vllm_scheduler, *pending[2:]))
+        pending = scheduled
         if ours != theirs:
             fields = [key for key in ours if ours[key] != theirs.get(key)]
             mismatch = {
@@ -436,13 +484,13 @@ def compare(name: str, seed: int, model_dir: str) -> dict:
                 "vllm": {key: theirs.get(key) for key in fields},
             }
             break
-        stats["preemptions"] += len(ours["preempted"])
+        stats["preemptions"] += len(ours.get("preempted", ()))
         stats["prefix_hit_tokens"] += sum(
             computed
-            for request_id, computed in ours["computed_before"].items()
+            for request_id, computed in ours.get("computed_before", {}).items()
             if request_id not in running_before
         )
-        stats["finished"] += len(ours["finished"])
+        stats["finished"] += len(ours.get("finished", ()))
         stats["capped"] += capped
         steps += 1
         if steps > 100_000:
@@ -568,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     names = [*WORKLOADS, "block_pool"]
     parser.add_argument("--cases", nargs="+", choices=names, default=names)
+    parser.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="vLLM's AsyncScheduler against vlax's async mode (one step in flight)",
+    )
     args = parser.parse_args(argv)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     results = {}
@@ -578,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "block_pool":
                 rows = [compare_block_pool(seed) for seed in seeds]
             else:
-                rows = [compare(name, seed, model_dir) for seed in seeds]
+                rows = [compare(name, seed, model_dir, args.async_mode) for seed in seeds]
             results[name] = {**summarize(rows), "wall_s": round(time.perf_counter() - start, 1)}
             if not args.json:
                 print(_line(name, results[name]), flush=True)

@@ -3,6 +3,12 @@
 Each scheduled request's computed count advances by its scheduled tokens; a request that caught
 up with its tokens gets its sampled token appended and its stop conditions checked. Finished
 requests release their blocks, state slots and encoder references and leave the state.
+
+Async scheduling (runtime/core/scheduling/in_flight.py): the step's entry leaves each request's
+steps in flight; a request whose lifecycle ended after the step was planned (finished, aborted)
+holds no entry for it and is passed over; one preempted since gets its token delivered without
+advancing its computed count; a running request's newly full blocks are cached as its token
+arrives (vLLM's AsyncScheduler caches them in update_from_output).
 """
 
 from collections.abc import Sequence
@@ -48,12 +54,28 @@ def update(
     prompt_logprobs = runner_output.prompt_logprobs
     pooler_rows = runner_output.pooler_output
     encoder = state.encoder
+    async_mode = config.async_scheduling
+    in_flight = state.in_flight
+    if async_mode:
+        in_flight = in_flight.mutate()
+    kv = state.kv
     changed: dict[str, Request] = {}
     finished: list[Request] = []
     outputs = []
     for request_id, num_tokens in scheduled.items():
         if request_id in ended:
             continue
+        stale = False
+        if async_mode:
+            entries = in_flight.get(request_id)
+            if not entries or entries[0][0] != step:
+                # Its lifecycle ended after this step was planned; the id may name a new request.
+                continue
+            stale = entries[0][3]
+            if len(entries) > 1:
+                in_flight[request_id] = entries[1:]
+            else:
+                del in_flight[request_id]
         request = requests.get(request_id)
         row = row_of.get(request_id)
         if request is None or row is None:
@@ -66,6 +88,23 @@ def update(
                 f"update(step {step}): request {request_id!r} was scheduled but {missing}"
             )
         sampled = sampled_rows[row]
+        if stale:
+            new, new_ids, stop = _deliver_stale(request, sampled, step, config)
+            if stop is not None:
+                finished.append(new)
+            elif new is not request:
+                changed[request_id] = new
+            if new_ids:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        new_ids,
+                        new.finish_reason,
+                        new.stop_reason,
+                        None if logprob_rows is None else logprob_rows[row],
+                    )
+                )
+            continue
         computed = request.num_computed_tokens + num_tokens
         output_ids = request.output_token_ids
         total = len(request.prompt_token_ids) + len(output_ids)
@@ -105,6 +144,10 @@ def update(
                 block_hashes=hashes,
             )
             stop = check_stop(new, max_model_len)
+            if async_mode and hashing and len(hashes) > kv.num_cached.get(request_id, 0):
+                # Cache the blocks its token completed now, as vLLM's AsyncScheduler does, not
+                # at its next allocation (a request admitted before then could hit them).
+                kv = kvc.allocate_slots(kv, request_id, 0, computed, block_hashes=hashes).state
         if new.mm_inputs:
             encoder = release_request_inputs(encoder, new, upto=computed)
         if stop is not None:
@@ -132,7 +175,19 @@ def update(
             for request_id, request in changed.items():
                 mutable[request_id] = request
             requests = mutable.finish()
-    new_state = evolve_state(state, encoder=encoder, requests=requests, awaiting_update=None)
+    awaiting = None
+    if async_mode:
+        in_flight = in_flight.finish()
+        if step + 1 < state.step:
+            awaiting = step + 1
+    new_state = evolve_state(
+        state,
+        kv=kv,
+        encoder=encoder,
+        requests=requests,
+        awaiting_update=awaiting,
+        in_flight=in_flight,
+    )
     new_state = apply_kv_job_results(new_state, tuple(kv_job_results))
     if len(finished) > 1:
         # vLLM frees finished requests in the order it scheduled them: running ones, then those
@@ -141,6 +196,33 @@ def update(
         position = {request_id: index for index, request_id in enumerate(state.running)}
         finished.sort(key=lambda request: position.get(request.request_id, len(position)))
     return remove_finished(new_state, finished), tuple(outputs)
+
+
+def _deliver_stale(
+    request: Request, sampled: tuple, step: int, config
+) -> tuple[Request, tuple[int, ...], object]:
+    """A step planned before the request was preempted: its token (if it sampled one) is still
+    the request's next token, so it is appended and stop-checked, but the computed count stays
+    where the preemption put it (vLLM: stale output is delivered without touching counters)."""
+    if not sampled:
+        return request, (), None
+    new_ids = _one_token(step, request.request_id, sampled)
+    output_ids = request.output_token_ids + new_ids
+    hashes = request.block_hashes
+    if config.enable_prefix_caching and (request.num_tokens + 1) // config.block_size > len(hashes):
+        hashes = kvc.extend_block_hashes(
+            hashes,
+            _Tokens(request.prompt_token_ids, output_ids),
+            config.block_size,
+            hash_extras(request),
+        )
+    new = evolve(request, output_token_ids=output_ids, block_hashes=hashes)
+    stop = check_stop(new, config.max_model_len)
+    if stop is not None:
+        new = evolve(
+            new, status=stop.status, finish_reason=stop.reason, stop_reason=stop.stop_reason
+        )
+    return new, new_ids, stop
 
 
 def _pooled(step: int, request_id: str, sampled: tuple, pooler_rows, row: int) -> object:
@@ -214,6 +296,14 @@ def remove_finished(state: SchedulerState, finished: list[Request]) -> Scheduler
         for request_id in ids:
             del mutable[request_id]
         requests = mutable.finish()
+    in_flight = state.in_flight
+    if in_flight:
+        # Their steps in flight are passed over by update() (the id may be reused meanwhile).
+        with in_flight.mutate() as mutable:
+            for request_id in ids:
+                if request_id in mutable:
+                    del mutable[request_id]
+            in_flight = mutable.finish()
     reported = set(state.finished_since_last)
     return evolve_state(
         state,
@@ -226,6 +316,7 @@ def remove_finished(state: SchedulerState, finished: list[Request]) -> Scheduler
         + tuple(r.request_id for r in finished if r.request_id not in reported),
         kv_jobs=detach_finished(state, ids),
         state_slots=slots,
+        in_flight=in_flight,
     )
 
 

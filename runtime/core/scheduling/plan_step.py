@@ -13,6 +13,11 @@ request's slot and the slots whose new owner starts this step (to be zeroed firs
 
 `num_computed_tokens` of the returned state is still the count before this step; `update` adds
 the scheduled tokens once the runner has computed them.
+
+Async scheduling (config.async_scheduling, vLLM's AsyncScheduler): the next step may be planned
+while one step is in flight. A request with steps in flight is planned as if they had been
+applied, its sampled tokens as placeholders (runtime/core/scheduling/in_flight.py); one whose
+in-flight step already reaches max_tokens or max_model_len is passed over.
 """
 
 from dataclasses import replace
@@ -40,6 +45,7 @@ from runtime.core.scheduling.encoder_scheduling import (
     plan_encoder_inputs,
     take_encoder_inputs,
 )
+from runtime.core.scheduling.in_flight import ahead, mark_stale
 from runtime.core.scheduling.scheduler_state import (
     SchedulerError,
     SchedulerState,
@@ -61,9 +67,11 @@ class _Step:
         "admitted",
         "base",
         "changed",
+        "computed",
         "config",
         "encoder",
         "encoder_budget",
+        "in_flight",
         "jobs",
         "kv",
         "loads",
@@ -104,6 +112,10 @@ class _Step:
         # Requests admitted from the waiting queue: (id, resumed from preemption, tokens).
         self.admitted: list[tuple[str, bool, int]] = []
         self.preempted: list[str] = []
+        # Async scheduling: steps in flight by request, and for each running request planned,
+        # (computed tokens counting them, placeholders). None with synchronous scheduling.
+        self.in_flight = state.in_flight if state.config.async_scheduling else None
+        self.computed: dict[str, tuple[int, int]] = {}
 
     def get(self, request_id: str) -> Request:
         request = self.changed.get(request_id)
@@ -111,7 +123,14 @@ class _Step:
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
-    if state.awaiting_update is not None:
+    if state.config.async_scheduling:
+        if state.awaiting_update is not None and state.step - state.awaiting_update > 1:
+            raise SchedulerError(
+                f"schedule: steps {state.awaiting_update}..{state.step - 1} are in flight; with "
+                f"async scheduling one step may be in flight, so apply step "
+                f"{state.awaiting_update} with update() first"
+            )
+    elif state.awaiting_update is not None:
         raise SchedulerError(
             f"schedule: the output of step {state.awaiting_update} has not been applied; call "
             "update() with it (and the runner's output) before scheduling the next step"
@@ -136,12 +155,19 @@ def _schedule_running(step: _Step) -> None:
     running, changed, base = step.running, step.changed, step.base
     num_scheduled, new_blocks_of = step.num_scheduled, step.new_blocks
     threshold = step.threshold
+    in_flight = step.in_flight
     index = 0
     while index < len(running) and step.token_budget > 0:
         request_id = running[index]
         request = changed.get(request_id) or base[request_id]
         computed = request.num_computed_tokens
         num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - computed
+        if in_flight is not None:
+            num_new = _num_new_async(step, request, computed, num_new)
+            if num_new == 0:
+                index += 1
+                continue
+            computed = step.computed[request_id][0]
         if 0 < threshold < num_new:
             num_new = threshold
         num_new = min(num_new, step.token_budget)
@@ -153,10 +179,10 @@ def _schedule_running(step: _Step) -> None:
                 index += 1
                 continue
         encoder_before = step.encoder
-        if _fits_as_is(step.kv, request_id, num_new, request):
+        if _fits_as_is(step.kv, request_id, num_new, request, computed):
             new_blocks = ()
         else:
-            new_blocks, index = _allocate_or_preempt(step, index, request, num_new)
+            new_blocks, index = _allocate_or_preempt(step, index, request, num_new, computed)
             if new_blocks is None:
                 # It preempted itself. FCFS: it was the last running request, so nothing is
                 # left. Priority: it was the lowest-priority one; the requests after it may
@@ -176,8 +202,33 @@ def _schedule_running(step: _Step) -> None:
         index += 1
 
 
+def _num_new_async(step: _Step, request: Request, computed: int, num_new: int) -> int:
+    """Async scheduling: the tokens a running request still needs when its steps in flight are
+    counted as computed and their sampled tokens as placeholders (vLLM's AsyncScheduler); 0
+    when the steps in flight already take it to max_tokens or max_model_len. Notes the computed
+    count that includes the steps in flight in `step.computed`."""
+    request_id = request.request_id
+    entries = step.in_flight.get(request_id)
+    placeholders = 0
+    if entries:
+        tokens, placeholders = ahead(entries)
+        computed += tokens
+        num_new += placeholders - tokens
+    step.computed[request_id] = (computed, placeholders)
+    max_tokens = request.sampling_params.max_tokens
+    if (
+        placeholders
+        and max_tokens is not None
+        and computed + 2 - placeholders >= len(request.prompt_token_ids) + max_tokens
+    ):
+        return 0
+    # A pooling request samples nothing, so it needs no room for a sampled token.
+    room = step.config.max_model_len - computed - (request.pooling_params is None)
+    return max(0, min(num_new, room))
+
+
 def _allocate_or_preempt(
-    step: _Step, index: int, request: Request, num_new: int
+    step: _Step, index: int, request: Request, num_new: int, computed: int
 ) -> tuple[tuple[int, ...] | None, int]:
     """Allocate slots for a running request, preempting others (or itself) until it fits.
 
@@ -190,7 +241,7 @@ def _allocate_or_preempt(
             step.kv,
             request_id,
             num_new,
-            request.num_computed_tokens,
+            computed,
             block_hashes=request.block_hashes,
         )
         if isinstance(result, kvc.Allocated):
@@ -208,14 +259,16 @@ def _allocate_or_preempt(
             return None, index
 
 
-def _fits_as_is(kv: kvc.KVCache, request_id: str, num_new: int, request: Request) -> bool:
+def _fits_as_is(
+    kv: kvc.KVCache, request_id: str, num_new: int, request: Request, computed: int
+) -> bool:
     """Whether `allocate_slots` would change nothing: no new block is needed and no block
     becomes full and cacheable. Most decode steps are such, and skipping the call keeps a step's
     cost proportional to the requests whose blocks change."""
     table = kv.tables.get(request_id)
     if table is None:
         return False
-    filled = request.num_computed_tokens + num_new
+    filled = computed + num_new
     block_size = kv.pool.block_size
     if filled > len(table) * block_size or filled > kv.max_model_len:
         return False
@@ -248,6 +301,12 @@ def _preempt(step: _Step, request_id: str) -> None:
     )
     step.waiting = with_waiting(step.waiting, step.base, request_id, step.config.policy, front=True)
     step.preempted.append(request_id)
+    if step.in_flight is not None:
+        # Its steps in flight still deliver their tokens, but no longer count as computed.
+        step.computed.pop(request_id, None)
+        entries = step.in_flight.get(request_id)
+        if entries:
+            step.in_flight = step.in_flight.set(request_id, mark_stale(entries))
 
 
 # What _admit did with a request taken from a queue.
@@ -419,18 +478,36 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
     # resumed_from_preemption, new_block_ids, num_computed_tokens, all_token_ids,
     # num_output_tokens), since keyword construction costs more than the rest of the loop.
     changed, base, new_blocks = step.changed, step.base, step.new_blocks
-    for request_id in step.num_scheduled:
-        request = changed.get(request_id) or base[request_id]
-        cached.append(
-            CachedRequestData(
-                request_id,
-                False,
-                new_blocks[request_id],
-                request.num_computed_tokens,
-                None,
-                len(request.output_token_ids),
+    if step.in_flight is None:
+        for request_id in step.num_scheduled:
+            request = changed.get(request_id) or base[request_id]
+            cached.append(
+                CachedRequestData(
+                    request_id,
+                    False,
+                    new_blocks[request_id],
+                    request.num_computed_tokens,
+                    None,
+                    len(request.output_token_ids),
+                )
             )
-        )
+    else:
+        # Positions and output counts include the steps in flight (vLLM reports the advanced
+        # num_computed_tokens and num_output_tokens + num_output_placeholders).
+        computed_of = step.computed
+        for request_id in step.num_scheduled:
+            request = changed.get(request_id) or base[request_id]
+            computed, placeholders = computed_of[request_id]
+            cached.append(
+                CachedRequestData(
+                    request_id,
+                    False,
+                    new_blocks[request_id],
+                    computed,
+                    None,
+                    len(request.output_token_ids) + placeholders,
+                )
+            )
     for request_id, resumed, num_tokens in step.admitted:
         request = step.get(request_id)
         table = kv.tables[request_id]
@@ -487,6 +564,9 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         state_slots=state_slots,
         reset_state_slots=reset_state_slots,
     )
+    in_flight = state.in_flight
+    if step.in_flight is not None:
+        in_flight = _record_in_flight(step, state.step, num_scheduled)
     requests = state.requests
     if step.changed:
         with requests.mutate() as mutable:
@@ -502,8 +582,25 @@ def _finish(state: SchedulerState, step: _Step) -> tuple[SchedulerState, Schedul
         running=tuple(step.running),
         step=state.step + 1,
         finished_since_last=(),
-        awaiting_update=state.step,
+        awaiting_update=state.step if state.awaiting_update is None else state.awaiting_update,
         kv_jobs=step.jobs,
         state_slots=step.slots,
+        in_flight=in_flight,
     )
     return new_state, output
+
+
+def _record_in_flight(step: _Step, step_number: int, num_scheduled: dict[str, int]):
+    """Async scheduling: each scheduled request gains this step as in flight; it samples when
+    it computes every known token and placeholder (not a prefill chunk), unless it pools."""
+    changed, base, computed_of = step.changed, step.base, step.computed
+    with step.in_flight.mutate() as mutable:
+        for request_id, num_tokens in num_scheduled.items():
+            request = changed.get(request_id) or base[request_id]
+            entries = mutable.get(request_id, ())
+            computed, placeholders = computed_of.get(request_id, (request.num_computed_tokens, 0))
+            samples = request.pooling_params is None and (
+                computed + num_tokens >= request.num_tokens + placeholders
+            )
+            mutable[request_id] = (*entries, (step_number, num_tokens, samples, False))
+        return mutable.finish()

@@ -37,6 +37,10 @@ class SchedulerConfig:
     # keeps no per-request state; n > 0: slots 0..n-1, one held by each running request, so at
     # most n requests run at once.
     num_state_slots: int = 0
+    # vLLM's async scheduling (AsyncScheduler): step N+1 may be planned while step N is still
+    # being computed, its sampled tokens counted as placeholders (runtime/core/scheduling/
+    # in_flight.py); at most one step is in flight when the next is planned.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -53,7 +57,12 @@ class SchedulerConfig:
                 raise SchedulerConfigError(
                     f"SchedulerConfig.{name}={value!r}: expected an int >= {minimum}"
                 )
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "reserve_full_sequence"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "reserve_full_sequence",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(
                     f"SchedulerConfig.{name}={getattr(self, name)!r}: expected a bool"

@@ -8,6 +8,7 @@ from runtime.core.kv import kv_cache as kvc
 from runtime.core.kv_jobs import jobs as kj
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import RequestStatus
+from runtime.core.scheduling.in_flight import ahead
 from runtime.core.scheduling.scheduler_state import SchedulerState, hash_extras, priority_key
 from runtime.core.state import state_slots as ss
 
@@ -177,17 +178,15 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
     _require(
         order == tuple(scheduled), f"batch order {order} != token map order {tuple(scheduled)}"
     )
+    span = _positions(after, output)
     for request_id, num_tokens in scheduled.items():
-        request = after.requests[request_id]
+        start, total = span[request_id]
         _require(
-            num_tokens >= 1 and request.num_computed_tokens + num_tokens <= request.num_tokens,
-            f"{request_id!r}: {num_tokens} scheduled after {request.num_computed_tokens} computed "
-            f"of {request.num_tokens}",
+            num_tokens >= 1 and start + num_tokens <= total,
+            f"{request_id!r}: {num_tokens} scheduled after {start} computed of {total} (tokens "
+            "and placeholders of steps in flight)",
         )
-        _require(
-            request.num_computed_tokens <= request.num_tokens - 1,
-            f"{request_id!r}: prefix hit leaves nothing to compute",
-        )
+        _require(start <= total - 1, f"{request_id!r}: prefix hit leaves nothing to compute")
         # The cap is lifted when a single request is queued (nobody to starve).
         if config.long_prefill_token_threshold and len(before.running) + len(before.waiting) > 1:
             _require(
@@ -202,7 +201,7 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
     embeds = 0
     for request_id, positions in output.scheduled_encoder_inputs.items():
         request = after.requests[request_id]
-        start = request.num_computed_tokens
+        start = span[request_id][0]
         end = start + scheduled[request_id]
         for position in positions:
             item = request.mm_inputs[position]
@@ -225,12 +224,15 @@ def check_output(before: SchedulerState, after: SchedulerState, output: Schedule
         )
     # vLLM's running loop ends early only when the token budget runs out (a request that
     # preempts itself lets the loop go on): with budget left, every request still running got
-    # tokens, unless an encoder input it needs cannot run this step.
+    # tokens, unless an encoder input it needs cannot run this step, or (async scheduling) its
+    # step in flight already takes it to max_tokens or max_model_len.
     left = config.max_num_batched_tokens - output.total_num_scheduled_tokens
     if left > 0:
         for request_id in after.running:
             _require(
-                request_id in scheduled or bool(after.requests[request_id].mm_inputs),
+                request_id in scheduled
+                or bool(after.requests[request_id].mm_inputs)
+                or _in_flight_to_the_end(after, request_id),
                 f"running {request_id!r} got no tokens while {left} budget tokens were left",
             )
     for request_id in output.preempted_req_ids:
@@ -311,10 +313,10 @@ def _check_output_slots(
             f"{request_id!r} admitted on a zeroed state slot with "
             f"{after.requests[request_id].num_computed_tokens} tokens already computed",
         )
+    span = _positions(after, output)
     for request_id in scheduled:
         _require(
-            after.requests[request_id].num_computed_tokens > 0
-            or output.state_slots[request_id] in output.reset_state_slots,
+            span[request_id][0] > 0 or output.state_slots[request_id] in output.reset_state_slots,
             f"{request_id!r} starts from token 0 on state slot {output.state_slots[request_id]}, "
             "which is not reset",
         )
@@ -323,3 +325,38 @@ def _check_output_slots(
             ss.slot_of(slots, request_id) is None,
             f"preempted {request_id!r} still holds state slot {ss.slot_of(slots, request_id)}",
         )
+
+
+def _positions(after: SchedulerState, output: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    """Each scheduled request's (first position this step computes, tokens it has counting the
+    placeholders of its steps in flight before this one)."""
+    positions = {}
+    for data in (*output.scheduled_new_reqs, *output.scheduled_cached_reqs):
+        request = after.requests[data.req_id]
+        placeholders = 0
+        if after.config.async_scheduling:
+            earlier = after.in_flight.get(data.req_id, ())[:-1]
+            placeholders = ahead(earlier)[1]
+        positions[data.req_id] = (data.num_computed_tokens, request.num_tokens + placeholders)
+    return positions
+
+
+def _in_flight_to_the_end(after: SchedulerState, request_id: str) -> bool:
+    """Async scheduling: the request's steps in flight compute all it has (a pooling request's
+    last chunk) or reach max_tokens or max_model_len, so it has nothing to schedule until they
+    are applied."""
+    entries = after.in_flight.get(request_id)
+    if not entries:
+        return False
+    request = after.requests[request_id]
+    tokens, placeholders = ahead(entries)
+    computed = request.num_computed_tokens + tokens
+    if computed >= request.num_tokens + placeholders:
+        return True
+    if not placeholders:
+        return False
+    max_tokens = request.sampling_params.max_tokens
+    return computed >= after.config.max_model_len - 1 or (
+        max_tokens is not None
+        and computed + 2 - placeholders >= request.num_prompt_tokens + max_tokens
+    )

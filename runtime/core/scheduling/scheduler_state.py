@@ -49,13 +49,17 @@ class SchedulerState:
     step: int
     # Finished or aborted since the last schedule(); reported to the runner by the next one.
     finished_since_last: tuple[str, ...]
-    # The step of the schedule() output whose update() has not been applied, if any.
+    # The oldest step whose schedule() output has not been applied by update(), if any (async
+    # scheduling: steps awaiting_update .. step - 1 are in flight, at most two).
     awaiting_update: int | None
     # KV store/load jobs (runtime/core/kv_jobs/scheduler_hooks.py); None when no KV store is used.
     kv_jobs: KVJobs | None = None
     # Recurrent-state slots, held by exactly the running requests; None when the model keeps no
     # per-request state (config.num_state_slots == 0).
     state_slots: StateSlots | None = None
+    # Async scheduling: request id -> its scheduled steps not yet applied by update(), oldest
+    # first (runtime/core/scheduling/in_flight.py). Always empty with synchronous scheduling.
+    in_flight: Map = Map()
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,11 @@ check binds) run a synthetic recurrent model instead: each request's tokens go t
 in its slot and the next token depends on that state alone, so a request that started from a state
 it did not build (a slot not reset, or inherited from a preempted or finished owner) or lost a chunk
 finishes with other tokens than it gets run alone.
+
+Async configurations (vLLM's AsyncScheduler) schedule the next step while one is in flight, with
+aborts, preemptions and stops landing between a step's schedule and its update; their runner keeps
+its own tokens as a device does (runtime/core/devtools/device_rows.py), so a placeholder the core
+miscounts shows as a position the device cannot compute or as other tokens than run alone.
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.core import scheduler as sch
+from runtime.core.devtools.device_rows import DeviceRows
 from runtime.core.devtools.synthetic_runner import (
     ZERO_STATE,
     absorb,
@@ -58,6 +64,30 @@ CONFIGS = [
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": 40,
     },
+    # async scheduling: one step in flight when the next is planned
+    {"policy": "fcfs", "async_scheduling": True},
+    {"policy": "priority", "async_scheduling": True},
+    {"policy": "fcfs", "long_prefill_token_threshold": 6, "async_scheduling": True},
+    {"policy": "priority", "enable_prefix_caching": False, "async_scheduling": True},
+    {
+        "policy": "fcfs",
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 40,
+        "async_scheduling": True,
+    },
+    {
+        "policy": "fcfs",
+        "enable_prefix_caching": False,
+        "num_state_slots": 2,
+        "async_scheduling": True,
+    },
+    {
+        "policy": "priority",
+        "enable_prefix_caching": False,
+        "num_state_slots": 2,
+        "long_prefill_token_threshold": 6,
+        "async_scheduling": True,
+    },
 ]
 
 
@@ -69,6 +99,15 @@ def model_token(request: Request) -> int:
 def hybrid_token(state: tuple[int, int]) -> int:
     """The synthetic hybrid model: the next token depends only on the recurrent state."""
     return state[1] % 11 + 3
+
+
+def device_token(prompt: tuple[int, ...], tokens) -> int:
+    """model_token as the device computes it, from the tokens it holds."""
+    return (len(tokens) * 7 + len(prompt)) % 11 + 3
+
+
+def device_hybrid_token(prompt: tuple[int, ...], state: tuple[int, int]) -> int:
+    return hybrid_token(state)
 
 
 def alone(request: Request, hybrid: bool = False) -> tuple[tuple[int, ...], FinishReason]:
@@ -108,7 +147,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.hybrid = bool(self.state.config.num_state_slots)
         # The device's state pool, as the synthetic recurrent runner leaves it.
         self.slot_states = make_slot_states(self.state.config.num_state_slots)
-        self.pending = None
+        # Scheduled steps not yet applied, oldest first: (output, runner output or None); async
+        # configurations run each step on the device rows when it is scheduled.
+        self.pending: list = []
+        self.async_mode = self.state.config.async_scheduling
+        self.device = DeviceRows(
+            device_hybrid_token if self.hybrid else device_token, self.state.config.num_state_slots
+        )
         self.arrivals = 0
         self.live: dict[str, Request] = {}  # lifecycles not yet finished
         self.tokens: dict[str, tuple[int, ...]] = {}
@@ -155,19 +200,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live[request_id] = request
         self.tokens[request_id] = ()
 
-    @precondition(lambda self: self.pending is None)
+    @precondition(lambda self: len(self.pending) < (2 if self.async_mode else 1))
     @rule()
     def schedule(self):
         before = self.state
         self.state, out = sch.schedule(before)
         check_output(before, self.state, out)
-        self.pending = out
+        self.pending.append((out, self.device.execute(out) if self.async_mode else None))
 
-    @precondition(lambda self: self.pending is not None)
+    @precondition(lambda self: self.pending)
     @rule()
     def update(self):
-        out, self.pending = self.pending, None
-        if self.hybrid:
+        out, runner = self.pending.pop(0)
+        if runner is not None:  # async: run on the device rows when scheduled
+            pass
+        elif self.hybrid:
             self.slot_states, runner = recurrent_runner_output(
                 self.slot_states, self.state, out, hybrid_token
             )
@@ -176,15 +223,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state, outputs = sch.update(self.state, out, runner)
         self._collect(outputs)
 
-    @precondition(lambda self: self.pending is None)
+    @precondition(lambda self: len(self.pending) < (2 if self.async_mode else 1))
     @rule(steps=st.integers(2, 16))
     def run_steps(self, steps):
         """Several whole steps at once, so requests reach their decodes and the pool runs out
-        (preemptions, and under priority a request preempting itself) within a short run."""
+        (preemptions, and under priority a request preempting itself) within a short run.
+        Async: schedule step N+1, then apply step N, as vLLM's engine core does."""
         for _ in range(steps):
             check_state(self.state)
             self.schedule()
-            self.update()
+            if len(self.pending) > (1 if self.async_mode else 0):
+                self.update()
 
     @rule(data=st.data())
     def abort(self, data):
@@ -210,14 +259,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "state"):
             return
-        if self.pending is not None:
+        while self.pending:
             self.update()
         for _ in range(400):
             if not sch.has_unfinished_requests(self.state):
                 break
             self.schedule()
-            self.update()
+            if len(self.pending) > (1 if self.async_mode else 0):
+                self.update()
             check_state(self.state)
+        while self.pending:
+            self.update()
         assert not self.live, f"never finished: {sorted(self.live)}"
         assert self.state.kv.pool.num_free == self.state.kv.pool.num_blocks - 1
         assert all(not e.refs for e in self.state.encoder.entries.values())
