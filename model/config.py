@@ -264,6 +264,10 @@ def _language_view(hf: dict, path: str) -> dict:
     for key in ("architectures", "model_type", "dtype", "torch_dtype"):
         if key in hf:
             view[key] = hf[key]
+    # Hub PaliGemma checkpoints give the special tokens at the top level only.
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if view.get(key) is None and vlm.get(key) is not None:
+            view[key] = vlm[key]
     return view
 
 
