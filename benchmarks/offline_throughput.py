@@ -1,18 +1,22 @@
 """Offline batch throughput: vlax `LLM.generate` vs HF transformers `generate` on the same checkpoint.
 
-    python -m benchmarks.offline_throughput [--json] [--family llama|deepseek_v32]
+    python -m benchmarks.offline_throughput [--json] [--family llama|deepseek_v32|kimi_linear]
         [--dtypes float32,bfloat16] [--requests 64]
 
 `--family llama` (the default): a ~50M-parameter Llama (hidden 512, 8 layers, 8 heads, 2 KV heads,
 vocab 32000, random weights), float32 and bfloat16. `--family deepseek_v32`: a ~55M-parameter
 DeepSeek-V3.2 of the same hidden size, depth and vocab (MLA with q_lora_rank 256, kv_lora_rank 128;
 8 routed experts top-2 and one shared expert; DSA indexer with index_topk 256, so contexts past 256
-tokens attend sparsely), float32 by default. Both run a seeded workload: prompt lengths uniform in
-32-512, output lengths uniform in 16-256, greedy, ignore_eos. vlax takes all requests at once; HF runs
-`generate` on left-padded batches of 16 (the way users batch with it), each batch until its longest
-request is done, and is credited only the tokens asked for. Each side runs once as a warm-up
-(compilation, allocator) and is then timed. The JSON also gives the KV cache bytes per token of the
-model run, pool by pool, next to the Llama model's (same hidden size), in the cache dtype vlax used.
+tokens attend sparsely), float32 by default. `--family kimi_linear`: a ~57M-parameter Kimi-Linear of
+the same hidden size, depth and vocab (6 KDA layers of 4 heads x 128 and 2 MLA layers, MoE as
+DeepSeek's), float32 by default; HF runs its PyTorch reference KDA. All run a seeded workload:
+prompt lengths uniform in 32-512, output lengths uniform in 16-256, greedy, ignore_eos. vlax takes
+all requests at once; HF runs `generate` on left-padded batches of 16 (the way users batch with it),
+each batch until its longest request is done, and is credited only the tokens asked for. Each side
+runs once as a warm-up (compilation, allocator) and is then timed. The JSON also gives the KV cache
+bytes per token of the model run, pool by pool, next to the Llama model's (same hidden size), in the
+cache dtype vlax used, and for a model with recurrent state (Kimi-Linear) its state bytes per
+sequence.
 """
 
 from __future__ import annotations
@@ -74,6 +78,40 @@ DEEPSEEK_V32_CONFIG = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Kimi-Linear with the Llama's hidden size, depth and vocab: KDA, KDA, KDA, MLA twice (4 KDA heads of
+# 128; MLA without rope, kv_lora_rank 128); a dense first layer, then 8 routed experts top-2 and one
+# shared expert. HF runs its PyTorch reference KDA (no fla on the CPU).
+KIMI_LINEAR_CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,  # the dense MLP of the first layer
+    moe_intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    layer_types=["linear_attention"] * 3
+    + ["full_attention"]
+    + ["linear_attention"] * 3
+    + ["full_attention"],
+    linear_num_heads=4,
+    linear_head_dim=128,
+    linear_conv_kernel_dim=4,
+    q_lora_rank=None,
+    kv_lora_rank=128,
+    qk_rope_head_dim=32,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    num_experts=8,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    routed_scaling_factor=1.0,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # family -> (transformers config class, model class, config, dtypes run by default)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", CONFIG, "float32,bfloat16"),
@@ -83,6 +121,7 @@ FAMILIES = {
         DEEPSEEK_V32_CONFIG,
         "float32",
     ),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "float32"),
 }
 HF_BATCH = 16
 BLOCK_SIZE = 16
@@ -136,10 +175,14 @@ def kv_bytes_per_token(family: str, cache_dtype: str) -> dict:
     config = from_hf_dict(hf, dtype=cache_dtype)
     options = ModelOptions(block_size=BLOCK_SIZE, cache_dtype=cache_dtype)
     specs = registry.model_class(config.architecture).cache_specs(config, options)
-    return {
+    out = {
         "total": base.bytes_per_block(specs) // BLOCK_SIZE,
-        "pools": {s.name: s.bytes_per_block // BLOCK_SIZE for s in specs},
+        "pools": {s.name: s.bytes_per_block // BLOCK_SIZE for s in base.paged_specs(specs)},
     }
+    if base.has_state(specs):  # recurrent state: a fixed size per sequence, whatever its length
+        out["state_bytes_per_sequence"] = base.bytes_per_slot(specs)
+        out["state_pools"] = {s.name: s.bytes_per_slot for s in base.state_specs(specs)}
+    return out
 
 
 def num_params(cfg=CONFIG) -> tuple[int, int]:
