@@ -21,6 +21,7 @@ from runtime.pooling_outputs import (
     ScoringRequestOutput,
 )
 from runtime.request_output import RequestOutput
+from runtime.runner import warm_up
 from runtime.runner_choice import generate_on_pooling
 from vlax import arguments, llm_pooling
 
@@ -74,6 +75,8 @@ class LLM:
             EngineConfig(model=str(model), **engine_args), record_steps=record_steps
         )
         self._ids = itertools.count()
+        # (batch shape, sampler key) pairs compiled up front by generate (warm_up.py).
+        self._compiled: set = set()
 
     @property
     def tokenizer(self):
@@ -124,8 +127,44 @@ class LLM:
                     request_id, built.token_ids, params, prompt=text, images=built
                 )
             )
+        self._precompile(batch, use_tqdm)
         engine.add_processed(batch)
         yield from self._in_order([p.request_id for p in batch], use_tqdm)
+
+    def _precompile(self, batch: Sequence, use_tqdm: bool) -> None:
+        """Compile the batch shapes these requests meet for sure (runtime/runner/warm_up.py)
+        before the first step, behind a progress bar; shapes compiled by an earlier call are
+        skipped. Requests with other sampling flags than the first's compile when met."""
+        if not batch:
+            return
+        engine = self.engine
+        config = engine.state.config
+        prompt_lens, max_tokens = [], []
+        for processed in batch:
+            n = len(processed.prompt_token_ids)
+            room = engine.max_model_len - n
+            most = processed.params.max_tokens
+            prompt_lens += [n] * len(processed.children)
+            max_tokens += [room if most is None else min(most, room)] * len(processed.children)
+        shapes = warm_up.run_shapes(
+            engine.runner.builder,
+            prompt_lens,
+            max_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        params = batch[0].params
+        key = warm_up.sampler_key(engine.runner, params)
+        todo = [s for s in shapes if (s, key) not in self._compiled]
+        if not todo:
+            return
+        with tqdm(total=len(todo), desc="Compiling batch shapes", disable=not use_tqdm) as bar:
+
+            def done(shape):
+                self._compiled.add((shape, key))
+                bar.update(1)
+
+            warm_up.precompile(engine.runner, todo, params, done=done)
 
     def chat(
         self,

@@ -1,0 +1,106 @@
+"""Compiling a run's batch shapes up front (runtime/runner/warm_up.py): the shapes chosen, the
+padding batch against the builder's own, and a run that compiles nothing after the warm-up."""
+
+import jax
+import pytest
+
+from runtime.core.request import SamplingParams
+from runtime.runner.inputs import BatchBuilder, RequestRow
+from runtime.runner.warm_up import padding_batch, run_shapes
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def _builder(**kw) -> BatchBuilder:
+    args = dict(block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
+    return BatchBuilder(**{**args, **kw})
+
+
+def test_run_shapes_first_step_then_decode_for_every_count_and_context():
+    b = _builder()
+    # One short prompt: the first step and its decode share the smallest buckets.
+    assert run_shapes(b, [5], [32], max_num_seqs=64, max_num_batched_tokens=2048) == [(16, 8, 16)]
+    # 20 prompts of 100 tokens: one 2000-token first step over 20 sequences; decode with 20
+    # down to 1 running (seq buckets 32, 16, 8), contexts 101..350 tokens (block buckets 16, 24).
+    shapes = run_shapes(b, [100] * 20, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
+    assert shapes[0] == (2048, 32, 16)
+    assert shapes[1:] == [
+        (32, 32, 16), (32, 32, 24), (16, 16, 16), (16, 16, 24), (16, 8, 16), (16, 8, 24),
+    ]  # fmt: skip
+    # The budget cuts the first step: 3 prompts of 1000 take 2048 tokens over 3 sequences.
+    first = run_shapes(b, [1000] * 3, [8] * 3, max_num_seqs=64, max_num_batched_tokens=2048)[0]
+    assert first == (2048, 8, 64)
+    # max_num_seqs caps the first step's sequences and the decode counts.
+    shapes = run_shapes(b, [10] * 40, [4] * 40, max_num_seqs=16, max_num_batched_tokens=2048)
+    assert shapes == [(256, 16, 16), (16, 16, 16), (16, 8, 16)]
+    assert run_shapes(b, [], [], max_num_seqs=16, max_num_batched_tokens=2048) == []
+
+
+def test_padding_batch_has_the_builders_arrays():
+    """Same names, dtypes and shapes as BatchBuilder.build makes for a real step of the shape,
+    so the program compiled from it is the one the step runs."""
+    for slots in (0, 3):
+        b = _builder(max_num_seqs=8, max_num_batched_tokens=64, num_state_slots=slots)
+        rows = {
+            r: RequestRow(r, list(range(n)), list(range(1, 3)), n, SamplingParams())
+            for r, n in (("a", 20), ("b", 7))
+        }
+        built = b.build(
+            rows,
+            {"a": 20, "b": 7},
+            ["a", "b"],
+            state_slots={"a": 0, "b": 1} if slots else {},
+            reset_state_slots=(0, 1) if slots else (),
+        )
+        shape = (32, 8, 16)
+        assert (built.arrays["token_ids"].shape[0], *built.arrays["block_tables"].shape) == shape
+        pad = padding_batch(b, shape)
+        assert pad.keys() == built.arrays.keys()
+        for name, array in built.arrays.items():
+            assert (pad[name].dtype, pad[name].shape) == (array.dtype, array.shape), name
+        assert pad["num_seqs"] == 0 and (pad["slot_mapping"] == -1).all()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from vlax.default_model import default_model_path
+    from vlax.llm import LLM
+
+    path = default_model_path(tmp_path_factory.mktemp("cache"))
+    return LLM(str(path), compilation_cache=False, max_num_seqs=8, max_model_len=128)
+
+
+def test_generate_compiles_its_shapes_before_the_first_step(llm, monkeypatch):
+    """The steps of a plain run compile nothing: its shapes were compiled up front. The same
+    call again compiles nothing at all (the shapes are remembered)."""
+    compiled_in_steps = []
+    listening = [False]
+
+    def on_duration(event, seconds, **kwargs):
+        if event == _BACKEND_COMPILE and listening[0]:
+            compiled_in_steps.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    engine = llm.engine
+    step = engine.step
+
+    def listened_step():
+        listening[0] = True
+        try:
+            return step()
+        finally:
+            listening[0] = False
+
+    monkeypatch.setattr(engine, "step", listened_step)
+    prompts = ["hello there", "a longer prompt than the first one, by a few words"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    assert compiled_in_steps == []
+    assert all(len(o.outputs[0].token_ids) == 20 for o in first)
+    compiled = set(llm._compiled)
+    assert compiled
+    listening[0] = True  # the whole second call: warm-up and steps
+    again = llm.generate(prompts, params, use_tqdm=False)
+    listening[0] = False
+    assert compiled_in_steps == [] and llm._compiled == compiled
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
