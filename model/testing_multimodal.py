@@ -79,6 +79,12 @@ def write_tiny_paligemma(
         for _, p in model.named_parameters():
             p.copy_(scale * torch.randn(p.shape, generator=generator, dtype=torch.float32))
     model.eval().save_pretrained(os.fspath(directory), safe_serialization=True)
+    # The image preprocessing the checkpoint asks for (SigLIP: resize to image_size, 1/255,
+    # mean = std = 0.5), as a hub checkpoint's preprocessor_config.json gives it.
+    size = cfg.vision_config.image_size
+    transformers.SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(
+        os.fspath(directory)
+    )
     return os.fspath(directory)
 
 
