@@ -251,7 +251,13 @@ def _add_batch_parser(sub) -> None:
         "--num-gpus-per-actor",
         type=float,
         default=0.0,
-        help="GPUs each actor reserves (a tensor-parallel group: its size)",
+        help="GPUs each actor reserves (with --tensor-parallel-size T: T)",
+    )
+    b.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices each actor's LLM runs over (tensor parallelism)",
     )
     b.add_argument(
         "--ray-address", help="the Ray cluster to join (default: RAY_ADDRESS, else a local one)"
@@ -425,6 +431,7 @@ def batch(args) -> int:
         num_gpus_per_actor=args.num_gpus_per_actor,
         ray_address=args.ray_address,
         use_tqdm=not args.no_progress,
+        tensor_parallel_size=args.tensor_parallel_size,
         **_engine_args(args),
     )
     seconds = max(result.seconds, 1e-9)

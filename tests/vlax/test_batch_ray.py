@@ -1,8 +1,10 @@
-"""`vlax.batch` on a local Ray cluster (2 CPUs, 2 actors): a 200-row job gives every row once, in
-input order, with the same completions as `LLM.generate` on the same rows, also when an actor's
-process dies in the middle of the job."""
+"""`vlax.batch` on a local Ray cluster (2 CPUs): a 200-row job on 2 actors, one of whose processes
+dies in the middle of the job, gives every row once, in input order, with the same completions as
+`LLM.generate` on the same rows; `vlax batch` end to end; the errors, and the writer's guard."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,34 +110,11 @@ def _written(path) -> list[dict]:
     ]
 
 
-def test_cli_job_writes_every_row_once_in_input_order_as_llm_generate(
+def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(
     cluster, model, prompts, expected, tmp_path
 ):
-    out = tmp_path / "out.jsonl"
-    rc = cli.main(
-        [
-            "batch",
-            "--model", model,
-            "--input", prompts[0],
-            "--output", str(out),
-            "--num-actors", "2",
-            "--batch-size", "16",
-            "--max-tokens", str(MAX_TOKENS),
-            "--max-model-len", str(ENGINE["max_model_len"]),
-            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-            "--no-progress",
-        ]
-    )  # fmt: skip
-    assert rc == 0
-    written = _written(out)
-    assert [r["id"] for r in written] == [f"q{i:03d}" for i in range(200)]
-    assert written == expected
-    assert not (tmp_path / "out.jsonl.partial").exists()
-
-
-def test_a_crashed_actor_loses_no_row_and_writes_none_twice(
-    cluster, model, prompts, expected, tmp_path
-):
+    """The 200-row job on 2 actors, one of whose processes dies at its 7th batch (rows 96-111):
+    every row once, in input order, each equal to LLM.generate on the same rows in one call."""
     marker = tmp_path / "crashed"
     result = vlax.batch(
         prompts[0],
@@ -155,9 +134,36 @@ def test_a_crashed_actor_loses_no_row_and_writes_none_twice(
     except FileNotFoundError:
         status = "State:\tgone"
     assert "State:\tZ" in status or "State:\tgone" in status, status
-    assert result.rows == 200
-    assert _written(tmp_path / "out.jsonl") == expected
+    written = _written(tmp_path / "out.jsonl")
+    assert [r["id"] for r in written] == [f"q{i:03d}" for i in range(200)]
+    assert written == expected
+    assert result.rows == 200 and not (tmp_path / "out.jsonl.partial").exists()
     assert result.output_tokens == sum(len(t) for r in expected for t in r["token_ids"])
+
+
+def test_cli_job_writes_the_rows_in_input_order_as_llm_generate(
+    cluster, model, prompts, expected, tmp_path, capsys
+):
+    """`vlax batch` end to end, on the first 32 rows and one actor."""
+    head = tmp_path / "head.jsonl"
+    head.write_text("".join(json.dumps(r) + "\n" for r in prompts[1][:32]))
+    out = tmp_path / "out.jsonl"
+    rc = cli.main(
+        [
+            "batch",
+            "--model", model,
+            "--input", str(head),
+            "--output", str(out),
+            "--batch-size", "16",
+            "--max-tokens", str(MAX_TOKENS),
+            "--max-model-len", str(ENGINE["max_model_len"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    assert _written(out) == expected[:32]
+    assert "vlax: 32 rows, " in capsys.readouterr().err
 
 
 def test_bad_input_is_named_before_any_actor_starts(cluster, model, tmp_path):
@@ -174,6 +180,36 @@ def test_bad_input_is_named_before_any_actor_starts(cluster, model, tmp_path):
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokens'"):
         vlax.batch(no_prompt, tmp_path / "out.jsonl", model=model, max_tokens=4)
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# A bad flag or input file exits with status 2 and one line naming it, before Ray or JAX is imported.
+_CHECK_WITHOUT_RAY = (
+    "import sys\n"
+    "from vlax.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print(sorted({'jax', 'ray'} & set(sys.modules)))\n"
+    "sys.exit(rc)\n"
+)
+
+
+def test_cli_argument_errors_exit_2_before_ray_starts(prompts, tmp_path):
+    out = str(tmp_path / "out.jsonl")
+    for args, message in [
+        (["--input", str(tmp_path / "none.jsonl")], "none.jsonl': no such file"),
+        (["--input", str(tmp_path / "p.csv")], "p.csv': expected a .jsonl or .parquet file"),
+        (["--input", prompts[0], "--num-actors", "0"], "num_actors must be an int >= 1, got 0"),
+        (["--input", prompts[0], "--tensor-parallel-size", "0"], "tensor_parallel_size must be"),
+        (["--input", prompts[0], "--max-tokens", "0"], "max_tokens=0: expected an int >= 1"),
+    ]:
+        run = subprocess.run(
+            [sys.executable, "-c", _CHECK_WITHOUT_RAY, "batch", "--output", out, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith("vlax batch: ") and message in run.stderr, run.stderr
+        assert run.stdout.strip() == "[]"  # neither jax nor ray imported
 
 
 def test_the_writer_refuses_a_row_delivered_twice_or_skipped(cluster, tmp_path):
