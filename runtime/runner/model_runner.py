@@ -38,7 +38,7 @@ from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.multimodal.image_prompt import image_spec
-from runtime.runner import multihost, parallel, request_rows
+from runtime.runner import cpu_bf16, multihost, parallel, request_rows
 from runtime.runner.cache_budget import CacheSize, plan_cache
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
 from runtime.runner.encoder_path import EncoderPath
@@ -77,14 +77,15 @@ def cache_dtype(model_dtype: str, attention_backend: str) -> str:
     On the CPU a bf16 model keeps its caches in f32 unless a kernel is forced: XLA:CPU moves bf16
     through gathers and scatters slowly (the whole bf16 step ran 3.7x slower than f32), and bf16 keys
     and values are exact in f32, so the numbers are the same at twice the (host) memory. "auto"
-    never picks an interpret-mode kernel, so on the CPU it means the jnp path.
+    never picks an interpret-mode kernel, so on the CPU it means the jnp path. The choice is made
+    per host, from the CPU's bf16 support, and logged with its reason (runner/cpu_bf16.py).
     """
     if (
         model_dtype == "bfloat16"
         and current_platform() == "cpu"
         and attention_backend in ("auto", "reference")
     ):
-        return "float32"
+        return cpu_bf16.host_choice().cache_dtype
     return model_dtype
 
 
