@@ -156,8 +156,8 @@ class PaliGemmaForConditionalGeneration(nnx.Module):
 class ColPaliForRetrieval(PaliGemmaForConditionalGeneration):
     """PaliGemma's language model without the LM head, each token's final state projected to
     embedding_dim and L2-normalised (`embed_tokens`): ColBERT-style multi-vector output. Its
-    forward returns those rows, float32 [T, embedding_dim], which the pooling runner's every-token
-    task hands out per sequence (normalising again changes nothing)."""
+    forward returns the final hidden states, as every family's does; the pooling runner's
+    every-token task applies `embed_tokens` to them (runtime/runner/pooling_runner.py)."""
 
     _hf_prefix = "vlm."
     _prefix_is_whole_input = True
@@ -168,10 +168,6 @@ class ColPaliForRetrieval(PaliGemmaForConditionalGeneration):
         self.embedding_proj_layer = Linear(
             config.hidden_size, dim, bias=True, dtype=config.jnp_dtype
         )
-
-    def __call__(self, kv_caches: tuple, batch: ModelBatch):
-        kv_caches, hidden = self.hidden_states(kv_caches, batch)
-        return kv_caches, self.embed_tokens(hidden)
 
     def embed_tokens(self, hidden_rows: jax.Array) -> jax.Array:
         """hidden_rows [R, hidden] -> float32 [R, embedding_dim], each row of unit L2 norm."""
