@@ -77,8 +77,13 @@ def run_pooling(
         batch.append(
             engine.process_pooling_request(request_id, ids, params, prompt=text, images=images)
         )
+    order = [p.request_id for p in batch]
+    if pooling.whole_prompts:
+        # Prompts of like lengths share steps (a bidirectional step pads attention to its
+        # longest prompt), as sentence-transformers sorts its batches; outputs keep input order.
+        batch = sorted(batch, key=lambda p: len(p.prompt_token_ids))
     engine.add_processed(batch)
-    return list(llm._in_order([p.request_id for p in batch], use_tqdm))
+    return list(llm._in_order(order, use_tqdm))
 
 
 def _has_images(item) -> bool:

@@ -30,6 +30,7 @@ from model.batch import ModelBatch
 from model.layers.pooler import NORMALIZE_EPS, pool
 from runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from runtime.core.pooling_params import TOKEN_TASKS, PoolingParams
+from runtime.runner.inputs import half_step_buckets
 from runtime.runner.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,15 @@ class PoolingRunner(ModelRunner):
         # Live pooling requests' parameters, and a token task's rows of its earlier chunks.
         self.pooling: dict[str, PoolingParams] = {}
         self.token_rows: dict[str, list[np.ndarray]] = {}
+        if not self.cache_specs:
+            # A cache-less family (BERT) pads each sequence's attention to the block table's
+            # width: the builder's usual minimum of 256 tokens would make a step of short prompts
+            # pay for 256 (MiniLM, 8-256-token prompts: attention about as costly as every matmul
+            # at 256). Tables as narrow as one block instead, in half steps.
+            widest = self.builder.max_blocks_per_seq
+            self.builder.block_buckets = tuple(
+                sorted({min(b, widest) for b in half_step_buckets(1, widest)})
+            )
 
     def _execute(self, scheduler_output: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_req_ids:
