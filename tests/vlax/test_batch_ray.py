@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 
@@ -144,9 +146,14 @@ def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(
 def test_cli_job_writes_the_rows_in_input_order_as_llm_generate(
     cluster, model, prompts, expected, tmp_path, capsys
 ):
-    """`vlax batch` end to end, on the first 32 rows and one actor."""
-    head = tmp_path / "head.jsonl"
-    head.write_text("".join(json.dumps(r) + "\n" for r in prompts[1][:32]))
+    """`vlax batch` end to end, on the first 32 rows as a parquet file, and one actor."""
+    head = tmp_path / "head.parquet"
+    columns = [
+        ("id", pa.string()),
+        ("prompt", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int64())),
+    ]
+    pq.write_table(pa.Table.from_pylist(prompts[1][:32], schema=pa.schema(columns)), head)
     out = tmp_path / "out.jsonl"
     rc = cli.main(
         [
