@@ -102,11 +102,11 @@ class Engine:
         if max_model_len > model_config.max_model_len:
             cap = f"max_position_embeddings={model_config.max_position_embeddings}"
             if model_config.max_seq_length is not None:
-                cap += f", sentence-transformers max_seq_length={model_config.max_seq_length}"
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the checkpoint's "
-                f"{model_config.max_model_len} ({cap})"
-            )
+                cap = (
+                    f"max_model_len={model_config.max_model_len} ({cap}, sentence-transformers "
+                    f"max_seq_length={model_config.max_seq_length})"
+                )
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the checkpoint's {cap}")
         max_batched = config.max_num_batched_tokens or (
             DEFAULT_MAX_NUM_BATCHED_TOKENS
             if config.enable_chunked_prefill
