@@ -39,8 +39,8 @@ def ragged_self_attention(
     """q [T, H, D], k and v [T, Hkv, D] over whole sequences laid out by cu_q_lens [S + 1]
     -> [T, H, D].
 
-    Every sequence must be at most `max_len` tokens (static; a longer one would be cut). Tokens after the last sequence (batch padding) get finite values
-    that no caller reads.
+    Every sequence must be at most `max_len` tokens (static; a longer one would be cut). Tokens
+    after the last sequence (batch padding) get finite values that no caller reads.
     """
     num_tokens = q.shape[0]
     max_len = min(max_len, num_tokens)
