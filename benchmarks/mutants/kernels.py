@@ -20,8 +20,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "rpa_query_cannot_see_itself",
         RPA_REF,
-        "mask = key_ok[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])",
-        "mask = key_ok[:, None, :] & (k_pos[None, None, :] < q_pos[:, :, None])",
+        "mask = key_ok[:, None, :] & (k_pos[None, None, :] <= horizon[:, :, None])",
+        "mask = key_ok[:, None, :] & (k_pos[None, None, :] < horizon[:, :, None])",
         RPA,
     ),
     Mutant(

@@ -79,8 +79,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "model_softmax_scale_of_all_heads",
         ATTN,
-        "sm_scale=d**-0.5,",
-        "sm_scale=(hq * d) ** -0.5,",
+        "_attend, sm_scale=d**-0.5, sliding_window=self.sliding_window, impl=self.backend",
+        "_attend, sm_scale=(hq * d) ** -0.5, sliding_window=self.sliding_window, impl=self.backend",
         MODEL,
     ),
     Mutant(
@@ -93,8 +93,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "model_gate_and_up_swapped",
         MLP,
-        "return self.down_proj(jax.nn.silu(gate) * up)",
-        "return self.down_proj(jax.nn.silu(up) * gate)",
+        "return self.down_proj(ACTIVATIONS[self.act](gate) * up)",
+        "return self.down_proj(ACTIVATIONS[self.act](up) * gate)",
         MODEL,
     ),
     Mutant(
