@@ -92,8 +92,8 @@ class SchedulerOutput:
     # for every request scheduled this step, in batch order; empty otherwise.
     state_slots: Mapping[str, int] = field(default_factory=lambda: EMPTY_MAPPING)
     # Sorted slots whose new owner starts this step (admitted, or re-admitted after preemption
-    # and recomputing from token 0): the runner zeroes them before the forward, so no request
-    # ever starts from the state a previous owner left in its slot.
+    # and recomputing from token 0): the runner marks their rows `state_reset` and the model
+    # reads zeros for them, so no request ever starts from the state a previous owner left.
     reset_state_slots: tuple[int, ...] = ()
 
     @property
