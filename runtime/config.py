@@ -54,6 +54,11 @@ class EngineConfig:
     # max_num_batched_tokens, vLLM's default.
     encoder_cache_size: int | None = None
     encoder_compute_budget: int | None = None
+    # vLLM's async scheduling: step N+1 is scheduled and dispatched while step N runs on the
+    # device (runtime/engine.py). None: the engine's default (runtime/engine.py
+    # ASYNC_BY_DEFAULT), off for pooling models and with kv_offload; True where those refuse it
+    # is an error.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -105,6 +110,11 @@ class EngineConfig:
                 f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
             )
         _positive("data_parallel_size", self.data_parallel_size)
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError(
+                f"async_scheduling must be True, False or None (the engine's default), "
+                f"got {self.async_scheduling!r}"
+            )
         for name in ("encoder_cache_size", "encoder_compute_budget"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

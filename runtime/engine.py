@@ -11,12 +11,21 @@ runtime/runner/errors.py), the requests the failure names finish with finish_rea
 the others go on. A failure after the device took the KV cache, or in update, leaves the runner and
 the core out of step; the engine then refuses to go on (EngineDeadError) rather than serve from a
 cache in an unknown state.
+
+Async scheduling (EngineConfig.async_scheduling, vLLM's AsyncScheduler and batch queue of two):
+`step` schedules and dispatches step N+1 while step N still runs on the device, then waits for
+N and applies it. The core plans N+1 with N's sampled tokens as placeholders, and the device
+feeds them to N+1 itself (runtime/runner/in_flight.py). Commit-after-success holds per step: a
+dispatch that fails before the device took the cache leaves the state of before scheduling N+1
+(with N still in flight) current; the requests it names finish with an error, N's results for
+the others are applied when it is read.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -39,6 +48,7 @@ from runtime.pooling_output_processor import PoolingOutputProcessor
 from runtime.pooling_schedule import pooling_engine_config, whole_prompts
 from runtime.request_output import RequestOutput
 from runtime.runner.errors import RequestFailed, RunnerLost
+from runtime.runner.in_flight import StepInFlight
 from runtime.runner.model_runner import ModelRunner, model_cache_specs, model_options
 from runtime.runner.pooling_runner import PoolingRunner
 from runtime.runner_choice import generate_on_pooling, pooling_on_generate
@@ -47,6 +57,9 @@ from runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# async_scheduling=None (the default) means this where nothing refuses it: measured, see
+# EngineConfig.async_scheduling.
+ASYNC_BY_DEFAULT = False
 
 
 class EngineDeadError(RuntimeError):
@@ -118,6 +131,7 @@ class Engine:
                 f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
             )
         enable_prefix_caching = self._check_state_specs(config, model_config)
+        self.async_scheduling = self._async_scheduling(config, model_config)
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
@@ -162,11 +176,14 @@ class Engine:
                 policy=config.scheduling_policy,
                 encoder_cache_size=config.encoder_cache_size,
                 encoder_compute_budget=config.encoder_compute_budget,
+                async_scheduling=self.async_scheduling,
             )
         except sched.SchedulerConfigError as err:
             # The pure core cannot raise the project's ConfigError; callers catch that one.
             raise ConfigError(str(err)) from err
         self.state = sched.make_scheduler(scheduler_config)
+        # Async scheduling: the dispatched steps not yet applied, oldest first (at most two).
+        self._in_flight: deque[tuple[SchedulerOutput, StepInFlight]] = deque()
         self.offloader = self._make_offloader(config)
         if self.offloader is not None:
             self.state = enable_kv_jobs(self.state)
@@ -209,6 +226,30 @@ class Engine:
                 pools,
             )
         return False
+
+    @staticmethod
+    def _async_scheduling(config: EngineConfig, model_config: ModelConfig) -> bool:
+        """Whether steps overlap (async scheduling). None decides: on (ASYNC_BY_DEFAULT) unless
+        something below refuses it; True with such a thing is refused by name."""
+        refusal = None
+        if model_config.runner_type == "pooling":
+            refusal = (
+                f"{model_config.architecture} is served as a pooling model: a pooling request is "
+                "one prefill step that samples nothing, so no step's tokens feed the next"
+            )
+        elif config.kv_offload is not None:
+            refusal = (
+                "kv_offload's store and load jobs read and write the KV cache between steps, "
+                "which async scheduling leaves on the device"
+            )
+        if config.async_scheduling is None:
+            return refusal is None and ASYNC_BY_DEFAULT
+        if config.async_scheduling and refusal is not None:
+            raise ConfigError(
+                f"async_scheduling=True is not supported here: {refusal}; run with "
+                "async_scheduling=False"
+            )
+        return config.async_scheduling
 
     def _make_offloader(self, config: EngineConfig):
         """The KV offloader over the store `kv_offload` names (built here, closed with the
@@ -402,6 +443,7 @@ class Engine:
             sched.has_unfinished_requests(self.state)
             or has_pending_kv_jobs(self.state)
             or bool(self._looking_up)
+            or bool(self._in_flight)
         )
 
     @property
@@ -439,6 +481,8 @@ class Engine:
                 f"this engine stopped serving after a failure it cannot undo ({self._dead!r}); "
                 "build a new one"
             ) from self._dead
+        if self.async_scheduling:
+            return self._step_async()
         if self.offloader is not None:
             self._admit_looked_up()
         before = self.state
@@ -467,7 +511,41 @@ class Engine:
             # The runner went on with this step and the core cannot: the two no longer agree.
             raise self._die(err) from err
         self.state = state
-        self._count(before, scheduler_output)
+        self._count(scheduled, scheduler_output)
+        return finished
+
+    def _step_async(self) -> list[RequestOutput]:
+        """vLLM's step_with_batch_queue with a queue of two: schedule and dispatch the next step
+        (N+1) while the one before (N) runs; return at once while the queue has room, else
+        wait for N, apply it and return the requests that finished in it."""
+        queue = self._in_flight
+        if sched.has_unfinished_requests(self.state):
+            before = self.state
+            scheduled, scheduler_output = sched.schedule(before)
+            try:
+                dispatched = self.runner.dispatch(scheduler_output)
+            except RequestFailed as err:
+                # Nothing of N+1 reached the device; `before` (N still in flight) is the truth.
+                return self._fail(before, scheduler_output, err)
+            except RunnerLost as err:
+                raise self._die(err) from err
+            self.state = scheduled
+            queue.append((scheduler_output, dispatched))
+            self._count(scheduled, scheduler_output)
+            executed = scheduler_output.total_num_scheduled_tokens > 0
+            if len(queue) < 2 and (executed or sched.has_unfinished_requests(self.state)):
+                return []
+        elif not queue:
+            return []
+        scheduler_output, dispatched = queue.popleft()
+        try:
+            runner_out = self.runner.collect(dispatched)
+            updated, outputs = sched.update(self.state, scheduler_output, runner_out)
+            state, finished = self.output_processor.process(self.state, updated, outputs)
+        except Exception as err:
+            # The device ran the step and the core cannot apply it: the two no longer agree.
+            raise self._die(err) from err
+        self.state = state
         return finished
 
     def _fail(
@@ -495,11 +573,18 @@ class Engine:
             "of step; build a new one"
         )
 
-    def _count(self, before, scheduler_output: SchedulerOutput) -> None:
+    def _count(self, scheduled, scheduler_output: SchedulerOutput) -> None:
+        """`scheduled`: the state schedule() returned with `scheduler_output`. A request decodes
+        once it computes from past its prompt, at the position the step was planned from (with
+        async scheduling that counts the step in flight)."""
         prefill = decode = 0
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            req = before.requests.get(rid)
-            if req is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prefill += num_scheduled[new.req_id]
+        requests = scheduled.requests
+        for cached in scheduler_output.scheduled_cached_reqs:
+            n = num_scheduled[cached.req_id]
+            if cached.num_computed_tokens >= requests[cached.req_id].num_prompt_tokens:
                 decode += n
             else:
                 prefill += n

@@ -130,6 +130,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--no-chunked-prefill", action="store_true", help="prefill each prompt in a single step"
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed, for prompts without a seed")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (vLLM's async scheduling; "
+        "default: the engine's choice)",
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -324,6 +331,7 @@ def _engine_args(args) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -43,6 +43,7 @@ from runtime.runner.cache_budget import CacheSize, plan_cache
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
 from runtime.runner.encoder_path import EncoderPath
 from runtime.runner.errors import RequestFailed, RunnerLost
+from runtime.runner.in_flight import StepInFlight, placeholder
 from runtime.runner.inputs import BatchBuilder, HostBatch, RequestRow
 from runtime.runner.sampler import compute_prompt_logprobs, sample
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
@@ -51,12 +52,20 @@ log = logging.getLogger(__name__)
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "want_hidden"), donate_argnums=(2,))
-def _step(graphdef, params, kv_caches, batch, metadata, *, num_logprobs, want_hidden):
+def _step(graphdef, params, kv_caches, batch, metadata, last_sampled, *, num_logprobs, want_hidden):
+    # A token the host does not know yet (async scheduling) is the placeholder -1 - i: the token
+    # the step before sampled in its row i, which `last_sampled` holds on the device
+    # (runtime/runner/in_flight.py).
+    tokens = batch.token_ids
+    row = jnp.clip(-1 - tokens, 0, last_sampled.shape[0] - 1)
+    batch = batch.replace(token_ids=jnp.where(tokens < 0, last_sampled[row], tokens))
     kv_caches, hidden = forward(graphdef, params, kv_caches, batch)
     # Gathered once, whole on every device, under tensor parallelism (vocab-split LM head).
     logits = replicated(compute_logits(graphdef, params, hidden[batch.logits_indices]))
     out = replicated(sample(logits, metadata, num_logprobs))
-    return kv_caches, out, (hidden if want_hidden else None)
+    # Padded to one width, so the next step compiles the same program whatever this one's rows.
+    sampled = jnp.zeros_like(last_sampled).at[: out.token_ids.shape[0]].set(out.token_ids)
+    return kv_caches, out, (hidden if want_hidden else None), sampled
 
 
 @partial(jax.jit, static_argnames=("num_logprobs",))
@@ -195,6 +204,10 @@ class ModelRunner:
             num_state_slots=self.num_state_slots,
         )
         self.rows: dict[str, RequestRow] = {}
+        # The newest dispatched step not yet read back, and its sampled ids on the device (padded
+        # to the widest batch), which feed the placeholders of the next step (in_flight.py).
+        self._unread: StepInFlight | None = None
+        self._last_sampled = np.zeros(self.builder.seq_buckets[-1], np.int32)
         # A vision-language model's encoder outputs and their placeholder rows (None: text only).
         spec = image_spec(model_config.architecture, model_config.hf_config, model_config.path)
         self.encoder_path = (
@@ -209,24 +222,33 @@ class ModelRunner:
         )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. If it raises before the device step took the KV cache, the runner is as
-        it was before the call (runtime/runner/errors.py says what each failure means)."""
+        """Run one step and wait for it (synchronous scheduling): `collect(dispatch(...))`."""
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> StepInFlight:
+        """Start one step on the device and return without waiting for it. If it raises before
+        the device step took the KV cache, the runner is as it was before the call
+        (runtime/runner/errors.py says what each failure means). At most one earlier step may be
+        in flight: the rows it samples feed this step from the device (in_flight.py)."""
         # Several processes: all of them are about to run this same step, or all stop here.
         multihost.check_agreement(scheduler_output)
         order, undo = request_rows.apply(self.rows, scheduler_output)
         if not order:
             if self.encoder_path is not None:
                 self.encoder_path.end_step(scheduler_output)
-            return ModelRunnerOutput(req_ids=(), sampled_token_ids=())
+            empty = ModelRunnerOutput(req_ids=(), sampled_token_ids=())
+            return StepInFlight(scheduler_output.step, (), output=empty)
         caches = self.kv_caches
         try:
             # Every jitted call of the step traces under the engine's mesh (the model's layers
-            # read it: model/sharding.py); subclasses' _execute too.
+            # read it: model/sharding.py); subclasses' _launch too.
             with self._on_mesh():
-                out = self._execute(scheduler_output, order)
+                step = self._launch(scheduler_output, order)
             if self.encoder_path is not None:
                 self.encoder_path.end_step(scheduler_output)
-            return out
+            return step
+        except RunnerLost:
+            raise
         except Exception as err:
             if self.kv_caches is caches and not _taken(caches):
                 request_rows.undo(self.rows, undo)
@@ -238,7 +260,23 @@ class ModelRunner:
                 "this runner cannot serve any more requests"
             ) from err
 
-    def _execute(self, scheduler_output: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
+    def collect(self, step: StepInFlight) -> ModelRunnerOutput:
+        """Wait for a dispatched step and return its output (once read, kept: collecting twice
+        returns the same output). A failure here is the device's, after it took the KV cache."""
+        if step.output is None:
+            try:
+                with self._on_mesh():
+                    step.output = self._read_back(step)
+            except Exception as err:
+                raise RunnerLost(
+                    f"step {step.step}: reading the device step's results failed ({err!r}); "
+                    "this runner cannot serve any more requests"
+                ) from err
+        if self._unread is step:
+            self._unread = None
+        return step.output
+
+    def _launch(self, scheduler_output: SchedulerOutput, order: list[str]) -> StepInFlight:
         want_prompt = frozenset(
             r
             for r in order
@@ -268,6 +306,10 @@ class ModelRunner:
             reset_state_slots=scheduler_output.reset_state_slots,
         )
         sampling = [self.rows[r] for r in host_batch.sampling_req_ids]
+        if self._unread is not None and any(_needs_values(r.sampling_params) for r in sampling):
+            # Penalties and bad words read the tokens themselves, not only their count: the
+            # step in flight's tokens are read back first (this step is then synchronous).
+            self.collect(self._unread)
         vocab = self.model_config.vocab_size
         k = logprobs_bucket(
             max(
@@ -291,25 +333,55 @@ class ModelRunner:
         # dispatch (jnp.asarray on each one first cost ~80 us apiece, most of a decode step's
         # host time).
         batch = ModelBatch(**host_batch.arrays, **self._multimodal(scheduler_output, host_batch))
+        last_sampled = self._last_sampled
         if self.placement is not None:
             batch, metadata = self.placement.host_inputs((batch, metadata))
-        self.kv_caches, out, hidden = _step(
+            if isinstance(last_sampled, np.ndarray):
+                last_sampled = self.placement.host_inputs(last_sampled)
+        self.kv_caches, out, hidden, self._last_sampled = _step(
             self.graphdef,
             self.params,
             self.kv_caches,
             batch,
             metadata,
+            last_sampled,
             num_logprobs=k,
             want_hidden=bool(host_batch.prompt_logprob_rows),
         )
-        tokens = np.asarray(out.token_ids)
-        sampled = {rid: int(tokens[i]) for i, rid in enumerate(host_batch.sampling_req_ids)}
-        logprobs = self._logprobs(host_batch, out, sampling) if k is not None else None
-        prompt_lp = self._prompt_logprobs(host_batch, hidden) if hidden is not None else None
-        for rid, tok in sampled.items():
-            self.rows[rid].token_ids.append(tok)
+        step = StepInFlight(
+            scheduler_output.step,
+            tuple(order),
+            host_batch.sampling_req_ids,
+            out,
+            sampling,
+            k,
+            self._prompt_logprobs(host_batch, hidden) if hidden is not None else None,
+        )
+        # Each sampling row's next token, known on the device only until the step is read.
+        for i, row in enumerate(sampling):
+            row.token_ids.append(placeholder(i))
+            step.placeholders.append((row.token_ids, len(row.token_ids) - 1))
+        self._unread = step
+        return step
+
+    def _read_back(self, step: StepInFlight) -> ModelRunnerOutput:
+        tokens = np.asarray(step.out.token_ids)
+        sampled = {rid: int(tokens[i]) for i, rid in enumerate(step.sampling_req_ids)}
+        step.fill(sampled)
+        logprobs = (
+            self._logprobs(step.out, step.sampling) if step.num_logprobs is not None else None
+        )
+        prompt_lp = None
+        if step.prompt_logprobs is not None:
+            prompt_lp = immutables.Map(
+                {
+                    rid: _prompt_entry(width, arrays)
+                    for rid, (width, arrays) in step.prompt_logprobs.items()
+                }
+            )
+        order = step.order
         return ModelRunnerOutput(
-            req_ids=tuple(order),
+            req_ids=order,
             sampled_token_ids=tuple((sampled[r],) if r in sampled else () for r in order),
             logprobs=None if logprobs is None else tuple(logprobs.get(r) for r in order),
             prompt_logprobs=prompt_lp,
@@ -346,9 +418,7 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _logprobs(
-        host_batch: HostBatch, out, sampling: list[RequestRow]
-    ) -> dict[str, LogprobsEntry]:
+    def _logprobs(out, sampling: list[RequestRow]) -> dict[str, LogprobsEntry]:
         ids, vals, ranks = map(np.asarray, (out.logprob_token_ids, out.logprobs, out.ranks))
         entries = {}
         for i, row in enumerate(sampling):
@@ -362,7 +432,9 @@ class ModelRunner:
             )
         return entries
 
-    def _prompt_logprobs(self, host_batch: HostBatch, hidden) -> immutables.Map:
+    def _prompt_logprobs(self, host_batch: HostBatch, hidden) -> dict:
+        """Dispatch the prompt logprobs of this step's prompt rows: request id -> (width, the
+        device arrays), read back with the step (`_prompt_entry`)."""
         result = {}
         for rid, (start, n) in host_batch.prompt_logprob_rows.items():
             row = self.rows[rid]
@@ -378,16 +450,28 @@ class ModelRunner:
             first, n, start = done, end - done, start + done - chunk
             k = logprobs_bucket(row.sampling_params.prompt_logprobs, self.model_config.vocab_size)
             next_ids = jnp.asarray(row.token_ids[first + 1 : first + 1 + n], jnp.int32)
-            ids, vals, ranks = map(
-                np.asarray,
-                _prompt_logprobs(
-                    self.graphdef, self.params, hidden[start : start + n], next_ids, num_logprobs=k
-                ),
+            arrays = _prompt_logprobs(
+                self.graphdef, self.params, hidden[start : start + n], next_ids, num_logprobs=k
             )
-            width = row.sampling_params.prompt_logprobs + 1
-            result[rid] = LogprobsEntry(
-                token_ids=tuple(tuple(int(t) for t in r[:width]) for r in ids),
-                logprobs=tuple(tuple(float(v) for v in r[:width]) for r in vals),
-                sampled_token_ranks=tuple(int(r) for r in ranks),
-            )
-        return immutables.Map(result)
+            result[rid] = (row.sampling_params.prompt_logprobs + 1, arrays)
+        return result
+
+
+def _needs_values(params) -> bool:
+    """Whether sampling with `params` reads the values of the tokens so far (penalties, bad
+    words), not only how many there are."""
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.bad_words_token_ids
+    )
+
+
+def _prompt_entry(width: int, arrays) -> LogprobsEntry:
+    ids, vals, ranks = map(np.asarray, arrays)
+    return LogprobsEntry(
+        token_ids=tuple(tuple(int(t) for t in r[:width]) for r in ids),
+        logprobs=tuple(tuple(float(v) for v in r[:width]) for r in vals),
+        sampled_token_ranks=tuple(int(r) for r in ranks),
+    )

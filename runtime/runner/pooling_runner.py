@@ -30,6 +30,7 @@ from model.batch import ModelBatch
 from model.layers.pooler import NORMALIZE_EPS, pool
 from runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from runtime.core.pooling_params import TOKEN_TASKS, PoolingParams
+from runtime.runner.in_flight import StepInFlight
 from runtime.runner.inputs import half_step_buckets
 from runtime.runner.model_runner import ModelRunner
 
@@ -72,6 +73,11 @@ class PoolingRunner(ModelRunner):
             self.builder.block_buckets = tuple(
                 sorted({min(b, widest) for b in half_step_buckets(1, widest)})
             )
+
+    def _launch(self, scheduler_output: SchedulerOutput, order: list[str]) -> StepInFlight:
+        # Pooling runs synchronously (the engine refuses async scheduling for pooling models).
+        output = self._execute(scheduler_output, order)
+        return StepInFlight(scheduler_output.step, tuple(order), output=output)
 
     def _execute(self, scheduler_output: SchedulerOutput, order: list[str]) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_req_ids:

@@ -150,6 +150,7 @@ def precompile(
             runner.kv_caches,
             batch,
             metadata,
+            np.zeros(runner.builder.seq_buckets[-1], np.int32),
             num_logprobs=k,
             want_hidden=False,
         ).compile()
