@@ -9,6 +9,7 @@ sequence embedding, [labels] for classification probabilities, [tokens, hidden] 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar, Self
 
 import numpy as np
 
@@ -55,29 +56,33 @@ class ScoringOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class _TypedRequestOutput:
+    """A pooled request's typed view (vLLM's PoolingRequestOutput[T] subclasses): the same fields
+    for every task; `outputs` is the task's output type, built from the 1-d pooled array."""
+
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: EmbeddingOutput | ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
+    output_type: ClassVar[type[EmbeddingOutput] | type[ClassificationOutput]]
+
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+    def from_base(cls, out: PoolingRequestOutput) -> Self:
         data = _data(out, ndim=1)
-        return cls(out.request_id, EmbeddingOutput(data.tolist()), out.prompt_token_ids)
+        return cls(out.request_id, cls.output_type(data.tolist()), out.prompt_token_ids)
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class EmbeddingRequestOutput(_TypedRequestOutput):
+    outputs: EmbeddingOutput
+    output_type: ClassVar[type[EmbeddingOutput]] = EmbeddingOutput
 
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        data = _data(out, ndim=1)
-        return cls(out.request_id, ClassificationOutput(data.tolist()), out.prompt_token_ids)
+
+@dataclass
+class ClassificationRequestOutput(_TypedRequestOutput):
+    outputs: ClassificationOutput
+    output_type: ClassVar[type[ClassificationOutput]] = ClassificationOutput
 
 
 @dataclass
