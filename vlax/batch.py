@@ -31,6 +31,7 @@ from pathlib import Path
 from runtime.config import ConfigError, EngineConfig
 from runtime.core.request import SamplingParams
 from vlax import arguments
+from vlax.completion_json import completion_json
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
 PROMPT_COLUMNS = ("prompt", "prompt_token_ids")
@@ -372,25 +373,5 @@ def _record(record: Mapping, out) -> dict:
         "id": _id(record),
         "prompt": out.prompt,
         "prompt_token_ids": out.prompt_token_ids,
-        "outputs": [_completion(c) for c in out.outputs],
-    }
-
-
-def _completion(c) -> dict:
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [
-            [
-                {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
-                for t, lp in position.items()
-            ]
-            for position in c.logprobs
-        ]
-    return {
-        "index": c.index,
-        "text": c.text,
-        "token_ids": c.token_ids,
-        "finish_reason": c.finish_reason,
-        "cumulative_logprob": c.cumulative_logprob,
-        "logprobs": logprobs,
+        "outputs": [completion_json(c) for c in out.outputs],
     }

@@ -15,6 +15,7 @@ from pathlib import Path
 from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
 from runtime.core.request import SamplingParams
 from vlax import arguments, cli_pooling, logs
+from vlax.completion_json import completion_json
 
 _GENERATE_EPILOG = """\
 output:
@@ -342,25 +343,14 @@ def _label(prompt_index: int, sample_index: int, n: int) -> str:
 
 
 def _row(out, c) -> dict:
-    logprobs = None
-    if c.logprobs is not None:
-        logprobs = [
-            [
-                {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
-                for t, lp in position.items()
-            ]
-            for position in c.logprobs
-        ]
+    completion = completion_json(c)
+    # The request's fields around the completion's index, in the order the lines always had.
     return {
         "request_id": out.request_id,
-        "index": c.index,
+        "index": completion.pop("index"),
         "prompt": out.prompt,
         "prompt_token_ids": out.prompt_token_ids,
-        "text": c.text,
-        "token_ids": c.token_ids,
-        "finish_reason": c.finish_reason,
-        "cumulative_logprob": c.cumulative_logprob,
-        "logprobs": logprobs,
+        **completion,
     }
 
 
