@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
+from runtime.config import EngineConfig
 from runtime.core.request import SamplingParams
-from vlax import arguments, cli_pooling, logs
+from vlax import arguments, cli_pooling, engine_flags, logs
 from vlax.completion_json import completion_json
 
 _GENERATE_EPILOG = """\
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--output", type=Path, help="write one JSON object per completion to this .jsonl file"
     )
-    _add_engine_flags(g)
+    engine_flags.add_engine_flags(g)
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
         "--no-compilation-cache",
@@ -86,58 +86,6 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_flags(g)
     _add_batch_parser(sub)
     return ap
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The LLM engine's flags (EngineConfig's knobs), shared by the subcommands."""
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="dtype of weights and activations; auto: the checkpoint's own",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        help="most tokens (prompt + output) per request (default: the checkpoint's "
-        "max_position_embeddings)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="most tokens in one step (default: 2048; without chunked prefill, at least "
-        "--max-model-len)",
-    )
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        help="KV cache size in blocks (default: room for --max-num-seqs requests of "
-        "--max-model-len tokens, within a memory budget)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="recompute shared prompt prefixes instead of reusing their KV cache",
-    )
-    p.add_argument(
-        "--no-chunked-prefill", action="store_true", help="prefill each prompt in a single step"
-    )
-    p.add_argument("--seed", type=int, default=0, help="engine seed, for prompts without a seed")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule the next step while the device runs this one (vLLM's async scheduling; "
-        "default: the engine's choice)",
-    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -270,7 +218,7 @@ def _add_batch_parser(sub) -> None:
     b.add_argument(
         "--ray-address", help="the Ray cluster to join (default: RAY_ADDRESS, else a local one)"
     )
-    _add_engine_flags(b)
+    engine_flags.add_engine_flags(b)
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("-v", "--verbose", action="store_true", help="log vlax's INFO lines on stderr")
     _add_sampling_flags(b)
@@ -320,22 +268,6 @@ def _sampling_params(args) -> SamplingParams:
     )
 
 
-def _engine_args(args) -> dict:
-    return dict(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        attention_backend=args.attention_backend,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        seed=args.seed,
-        async_scheduling=args.async_scheduling,
-    )
-
-
 def _label(prompt_index: int, sample_index: int, n: int) -> str:
     return (
         f"[prompt {prompt_index}]" if n == 1 else f"[prompt {prompt_index}, sample {sample_index}]"
@@ -360,7 +292,7 @@ def generate(args) -> int:
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompts file")
     params = _sampling_params(args)
-    engine_args = _engine_args(args)
+    engine_args = engine_flags.engine_args(args)
     EngineConfig(model=args.model or "", **engine_args)
     if args.model is not None:
         arguments.checkpoint_dir(args.model)
@@ -430,7 +362,7 @@ def batch(args) -> int:
         ray_address=args.ray_address,
         use_tqdm=not args.no_progress,
         tensor_parallel_size=args.tensor_parallel_size,
-        **_engine_args(args),
+        **engine_flags.engine_args(args),
     )
     seconds = max(result.seconds, 1e-9)
     print(

@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES, EngineConfig
+from runtime.config import EngineConfig
 from runtime.core.request import PoolingParams
-from vlax import arguments, logs
+from vlax import arguments, engine_flags, logs
 
 _EMBED_EPILOG = """\
 input:
@@ -78,51 +78,9 @@ def add_parsers(sub, formatter) -> None:
             help="keep this many tokens of each input (-1: max_model_len); default: refuse "
             "longer inputs",
         )
-        _add_engine_flags(p)
+        engine_flags.add_engine_flags(p, pooling=True)
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         p.add_argument("-v", "--verbose", action="store_true", help="log INFO lines on stderr")
-
-
-def _add_engine_flags(p) -> None:
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="dtype of weights and activations; auto: the checkpoint's own",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        help="most tokens per input (default: the checkpoint's max_seq_length, else its "
-        "max_position_embeddings)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most inputs in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="most tokens in one step (default: 2048, and at least --max-model-len for a model "
-        "that computes each input whole)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=ATTENTION_BACKENDS,
-        help="auto: the Pallas kernel where it runs (GPUs), else the reference (plain JAX)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
-
-
-def _engine_args(args) -> dict:
-    return dict(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-    )
 
 
 def main(args) -> int:
@@ -131,7 +89,7 @@ def main(args) -> int:
         logs.set_level("INFO")
     command = embed if args.command == "embed" else score
     try:
-        return command(args, _engine_args(args))
+        return command(args, engine_flags.engine_args(args, pooling=True))
     except (ValueError, TypeError) as e:
         print(f"vlax {args.command}: {e}", file=sys.stderr)
         return 2
