@@ -2,14 +2,15 @@
 
 `ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
 Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
-reason logged. A model decides once, with `select` on its layers' shapes when it is built, and passes
-that `Choice` as `impl`; the dispatcher then only confirms it serves the call.
+reason logged. On the jnp path, a decode step whose caller counted its live chunks (`decode_chunks`)
+attends only those (decode.py). A model decides once, with `select` on its layers' shapes when it
+is built, and passes that `Choice` as `impl`; the dispatcher then only confirms it serves the call.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import backends
-from pallas_kernels.ragged_paged_attention import kernel, reference
+from pallas_kernels.ragged_paged_attention import decode, kernel, reference
 from pallas_kernels.ragged_paged_attention.cache_write import write_kv
 from pallas_kernels.ragged_paged_attention.heuristics import MAX_ROWS
 from pallas_kernels.ragged_paged_attention.work_items import pow2_ceil
@@ -90,6 +91,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     num_kv_splits: int | str = "auto",
     prefix_lens=None,
+    decode_chunks: int = 0,
     impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
@@ -99,7 +101,9 @@ def ragged_paged_attention(
     implementation's name to decide here. `num_kv_splits` ("auto" or an int) only affects the Pallas
     kernel; every split count gives the same result within float tolerance. `prefix_lens`
     int32[S] makes each sequence's first prefix_lens[s] positions attend both ways (a prefix LM);
-    only implementations declaring the "prefix_lm" feature serve it.
+    only implementations declaring the "prefix_lm" feature serve it. `decode_chunks` > 0 promises
+    a step of at most one query token per sequence whose live chunks (`decode.live_chunks`) number
+    at most that; the jnp path then gathers only those (decode.py), other paths ignore it.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:
@@ -133,7 +137,11 @@ def ragged_paged_attention(
     if choice.impl == "pallas":
         kwargs["num_kv_splits"] = num_kv_splits
         kwargs["interpret"] = choice.interpret if interpret is None else interpret
+    if not isinstance(decode_chunks, int) or isinstance(decode_chunks, bool) or decode_chunks < 0:
+        raise ValueError(f"{OP}: decode_chunks must be an int >= 0, got {decode_chunks!r}")
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if choice.impl == "reference" and decode_chunks:
+        return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **kwargs)
     return choice.fn(*args, **kwargs)
 
 

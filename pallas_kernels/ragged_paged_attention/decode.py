@@ -1,0 +1,170 @@
+"""Decode attention on the jnp path at the cost of the live context, not of the bucketed table.
+
+For a step whose every sequence has one query token (decode, or a prompt's last token), the
+reference's work items gather each sequence's whole block-table row (padded to the step's block
+bucket). Here the step's live context is cut into chunks of `chunk_blocks(block_size)` blocks of
+one sequence each, laid end to end, and only those chunks are gathered: a static `num_chunks`
+(the batch builder buckets the step's total, runtime/runner/inputs.py) bounds them. Each chunk
+attends its sequence's query on its own (max, sum and value product per chunk) and the chunks of a
+sequence are combined with their max-rescaled sums, as flash-decoding combines its KV splits.
+
+Two XLA:CPU costs shape the layout, both measured (64 sequences, contexts 32..1024):
+- Pages are gathered as rows of the [num_blocks, block_size * Hkv * D] view of the cache: one
+  contiguous copy per block. The 4-D gather of the same pages ran up to 8x slower.
+- A chunk's keys arrive as [keys, Hkv * D] (the cache's token-major order); the score dot batched
+  over (chunk, kv head) would need them transposed to [Hkv, keys, D] first. Instead each query
+  head's vector sits in its kv head's slot of a zero [Hkv * D] row, so the score and value dots
+  contract and batch over the layout as it is (Hkv times the multiply-adds of a tiny dot, none of
+  the copies). The value dot gives each q head every kv head's weighted sum; its own is kept.
+- A chunk of 128 keys: one block per chunk made 16x more, smaller dots and ran 1.4x slower; the
+  padding a sequence's last chunk wastes is under a chunk.
+
+Semantics are the reference's (reference.py): the fast product is exact whenever the output is all
+finite (a zero in the padded query row or a masked key's probability only multiplies a non-finite
+cache value into a non-finite output), and otherwise the reference computes the step, keys and
+values a token does not attend never changing its output (pallas_kernels/masked_values.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.bitcast import from_bits, to_bits
+from pallas_kernels.ragged_paged_attention import reference
+
+CHUNK_KEYS = 128
+
+
+def chunk_blocks(block_size: int) -> int:
+    """Blocks per chunk for a cache of this block size: CHUNK_KEYS keys, at least one block."""
+    return max(1, CHUNK_KEYS // block_size)
+
+
+def live_chunks(kv_lens, block_size: int) -> int:
+    """The chunks a decode step over contexts of these lengths attends (host-side count, ints)."""
+    keys = chunk_blocks(block_size) * block_size
+    return sum(-(-n // keys) for n in kv_lens)
+
+
+def _gather_rows(cache, blocks):
+    """cache [num_blocks, bs, Hkv, D], blocks int32[N, P] -> [N, P * bs, Hkv * D] (cache dtype)."""
+    nb, bs, hkv, d = cache.shape
+    n, p = blocks.shape
+    rows = to_bits(cache).reshape(nb, bs * hkv * d)[blocks]
+    return from_bits(rows, cache.dtype).reshape(n, p * bs, hkv * d)
+
+
+def _spread_heads(q, hkv):
+    """q [N, Hq, D] -> [N, Hq, Hkv * D]: q head h in the slot of its kv head h // G, zeros elsewhere."""
+    n, hq, d = q.shape
+    own = (jnp.arange(hq) // (hq // hkv))[:, None] == jnp.arange(hkv)[None, :]  # [Hq, Hkv]
+    return jnp.where(own[None, :, :, None], q[:, :, None, :], 0.0).reshape(n, hq, hkv * d)
+
+
+def _own_heads(o, hkv):
+    """o [N, Hq, Hkv * D] -> [N, Hq, D]: each q head's slot of its own kv head."""
+    n, hq, e = o.shape
+    d, g = e // hkv, hq // hkv
+    own = jnp.eye(hkv, dtype=bool)[None, :, None, :, None]  # [1, Hkv, 1, Hkv, 1]
+    return jnp.sum(jnp.where(own, o.reshape(n, hkv, g, hkv, d), 0.0), axis=3).reshape(n, hq, d)
+
+
+def ragged_paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    num_chunks: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    prefix_lens=None,
+):
+    """The reference's result for a step where every sequence has at most one query token and
+    whose live chunks (`live_chunks`) number at most `num_chunks`. A step breaking either promise
+    gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
+    here: a sequence's one query is its last position, which already sees its whole context."""
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    fast, broken = live_chunk_attention(*args, num_chunks=num_chunks, **options)
+    return jax.lax.cond(
+        jnp.all(jnp.isfinite(fast)) | broken,
+        lambda: fast,
+        lambda: reference.ragged_paged_attention(*args, **options),
+    )
+
+
+def live_chunk_attention(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    num_chunks: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+):
+    """(output, broken): the fast product alone, equal to the reference's whenever it is all
+    finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
+    t, hq, d = q.shape
+    nbk, bs, hkv, _ = k_cache.shape
+    max_seqs, max_blocks = block_tables.shape
+    per_chunk = chunk_blocks(bs)
+    keys = per_chunk * bs
+
+    present = jnp.arange(max_seqs) < num_seqs
+    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+    lens = jnp.where(present, kv_lens, 0)
+    counts = (lens + keys - 1) // keys
+    ends = jnp.cumsum(counts)
+    ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1).astype(jnp.int32)
+    live = ids < ends[-1]
+    chunk = jnp.where(live, ids - (ends[seq] - counts[seq]), 0)
+    cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
+    blocks = block_tables[seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
+
+    k = _gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
+    v = _gather_rows(v_cache, blocks).astype(jnp.float32)
+    q_seq = q[jnp.clip(cu_q_lens[:-1], 0, t - 1)].astype(jnp.float32)  # [S, Hq, D]
+    q_rows = _spread_heads(q_seq, hkv)[seq]  # [N, Hq, Hkv * D]
+
+    k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
+    kv_len = lens[seq][:, None]
+    mask = live[:, None] & (k_pos < kv_len)
+    if sliding_window is not None:
+        mask &= (kv_len - 1) - k_pos < sliding_window
+    mask = mask[:, None, :]  # [N, 1, L]: the same keys for every head
+
+    s = jnp.einsum("nqe,nle->nql", q_rows, k, precision=reference._precision()) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)  # [N, Hq]; -inf for a chunk with nothing attended
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+    total = jnp.sum(p, axis=-1)
+    o = _own_heads(jnp.einsum("nql,nle->nqe", p, v, precision=reference._precision()), hkv)
+    # Padding chunks read whatever blocks their clipped table entries name: kept out entirely.
+    o = jnp.where(live[:, None, None], o, 0.0)
+
+    def combine(x):
+        return jax.ops.segment_sum(x, seq, num_segments=max_seqs, indices_are_sorted=True)
+
+    m_seq = jax.ops.segment_max(m, seq, num_segments=max_seqs, indices_are_sorted=True)
+    scale = jnp.exp(m - jnp.where(jnp.isfinite(m_seq), m_seq, 0.0)[seq])  # 0 for empty chunks
+    den = combine(total * scale)
+    out = combine(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]  # [S, Hq, D]
+
+    dest = jnp.where(present & (q_lens > 0), cu_q_lens[:-1], t)
+    fast = jnp.zeros((t, hq, d), q.dtype).at[dest].set(out.astype(q.dtype), mode="drop")
+    broken = jnp.any(q_lens > 1) | (ends[-1] > num_chunks)
+    return jnp.where(broken, jnp.nan, fast), broken

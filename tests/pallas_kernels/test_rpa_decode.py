@@ -1,0 +1,132 @@
+"""The live-chunk decode path (pallas_kernels/ragged_paged_attention/decode.py) against the jnp
+reference and the per-token numpy loop: ragged contexts, padding rows, GQA groups, block sizes
+below, at and above a chunk, sliding windows, soft caps, prefix_lens, NaN in keys no token
+attends, bf16, and the promises it checks (one query per sequence, enough chunks)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rpa_cases import make_batch, numpy_attention
+
+from pallas_kernels.ragged_paged_attention import decode, ragged_paged_attention, reference
+
+# kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
+CASES = [
+    ([5, 130, 1, 257, 128, 64], 4, 2, 16, 16, None, None, 2, 3),
+    ([33, 17, 2, 1, 300], 6, 3, 32, 8, 20, 30.0, 1, 0),
+    ([129, 255, 256], 4, 4, 8, 32, None, 5.0, 0, 5),
+    ([7, 61, 300], 8, 1, 16, 256, 100, None, 3, 1),
+    ([3], 2, 1, 16, 4, None, None, 0, 0),
+]
+
+
+def _jnp(b):
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _batch(rng, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=False):
+    max_blocks = -(-max(kv_lens) // bs) + 2
+    return make_batch(
+        rng,
+        [1] * len(kv_lens),
+        kv_lens,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        block_size=bs,
+        max_blocks=max_blocks,
+        pad_seqs=pad_seqs,
+        pad_tokens=pad_tokens,
+        poison=poison,
+    )
+
+
+def test_live_chunks_match_reference_and_per_token_loop():
+    """The fast product alone (no fallback), with the exact chunk count and a larger bucket."""
+    rng = np.random.default_rng(0)
+    for i, (kl, hq, hkv, d, bs, sw, sc, ps, pt) in enumerate(CASES):
+        b = _batch(rng, kl, hq, hkv, d, bs, ps, pt)
+        need = decode.live_chunks(kl, bs)
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        want = numpy_attention(b, **options)
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        chunks = need + 5 * (i % 2)  # exact, or with padding chunks
+        f = jax.jit(
+            lambda b, o=options, n=chunks: decode.live_chunk_attention(**b, num_chunks=n, **o)
+        )
+        out, broken = f(_jnp(b))
+        out = np.asarray(out)
+        assert not broken and np.isfinite(out).all(), (kl, bs, chunks)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{kl} {bs}")
+        np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=f"{kl} {bs}")
+        assert (out[len(kl) :] == 0).all()
+
+
+def test_dispatcher_serves_decode_steps_with_prefix_lens():
+    """Through ragged_paged_attention(decode_chunks=...): the same output as without, and
+    prefix_lens (a prefix LM) changes nothing for one query at the end of its context."""
+    rng = np.random.default_rng(1)
+    kl = [40, 3, 17, 90]
+    b = _batch(rng, kl, 8, 2, 16, 8, 2, 2)
+    prefix = jnp.asarray([10, 3, 0, 91, 0, 0], jnp.int32)
+    chunks = decode.live_chunks(kl, 8)
+
+    @jax.jit
+    def both(b):
+        plain = ragged_paged_attention(**b, sm_scale=0.25, prefix_lens=prefix)
+        fast = ragged_paged_attention(**b, sm_scale=0.25, prefix_lens=prefix, decode_chunks=chunks)
+        return plain, fast
+
+    plain, fast = both(_jnp(b))
+    np.testing.assert_allclose(fast, plain, atol=2e-6, rtol=2e-5)
+
+
+def test_nan_in_keys_no_token_attends_changes_nothing():
+    """Unused pages, the tails of last pages and padding query rows hold NaN: the fast product
+    turns non-finite and the reference computes the step; a value a token attends that holds
+    NaN makes that token NaN, as in the reference."""
+    rng = np.random.default_rng(2)
+    for kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES[:2]:
+        b = _batch(rng, kl, hq, hkv, d, bs, ps, pt, poison=True)
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        n = decode.live_chunks(kl, bs)
+        f = jax.jit(lambda b, o=options, n=n: decode.ragged_paged_decode(**b, num_chunks=n, **o))
+        out = np.asarray(f(_jnp(b)))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))
+        assert np.isfinite(out).all(), kl
+        np.testing.assert_allclose(out, ref(_jnp(b)), atol=2e-6, rtol=2e-5)
+        # A NaN in a value the first sequence attends (its last key) reaches it and no other row.
+        bad = dict(b)
+        v = b["v_cache"].copy()
+        last = kl[0] - 1
+        v[b["block_tables"][0, last // bs], last % bs, 0, 0] = np.nan
+        bad["v_cache"] = v
+        out = np.asarray(f(_jnp(bad)))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(ref(_jnp(bad)))))
+        assert np.isnan(out[0]).any() and np.isfinite(out[1:]).all()
+
+
+def test_bf16_close_to_f32():
+    rng = np.random.default_rng(3)
+    kl = [9, 130, 20]
+    b = _batch(rng, kl, 4, 2, 32, 8, 1, 0)
+    want = numpy_attention(b, sm_scale=0.2)
+    bb = _jnp(b)
+    for name in ("q", "k_cache", "v_cache"):
+        bb[name] = bb[name].astype(jnp.bfloat16)
+    n = decode.live_chunks(kl, 8)
+    out = jax.jit(lambda b: decode.ragged_paged_decode(**b, num_chunks=n, sm_scale=0.2))(bb)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_broken_promises_give_nan_not_a_truncated_answer():
+    rng = np.random.default_rng(4)
+    kl = [300, 20]
+    b = _batch(rng, kl, 4, 2, 16, 16, 0, 0)
+    f = jax.jit(
+        lambda b, n: decode.ragged_paged_decode(**b, num_chunks=n, sm_scale=0.25), static_argnums=1
+    )
+    assert np.isnan(np.asarray(f(_jnp(b), decode.live_chunks(kl, 16) - 1))).all()
+    two = make_batch(rng, [2, 1], kl, hq=4, hkv=2, d=16, block_size=16, max_blocks=20, poison=False)
+    assert np.isnan(np.asarray(f(_jnp(two), 10))).all()
