@@ -284,3 +284,30 @@ def test_async_scheduling_refused_by_name_where_it_cannot_run(llama):
         Engine(EngineConfig(model=llama, kv_offload="host", async_scheduling=True))
     with pytest.raises(ConfigError, match="async_scheduling must be True, False or None"):
         EngineConfig(model=llama, async_scheduling="yes")
+
+
+def test_hybrid_state_slots_async_tokens_equal_sync_with_preemption(tmp_path):
+    """Kimi-Linear keeps recurrent state in slots the core hands out; async scheduling reuses a
+    preempted request's slot while its last step may still be in flight."""
+    path = write_tiny_checkpoint(tmp_path / "kimi", "kimi_linear", seed=3)
+    rng = np.random.default_rng(21)
+    lengths = (1, 6, 13, 22, 9, 30)
+    prompts = [{"prompt_token_ids": rng.integers(3, 128, n).tolist()} for n in lengths]
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=10, ignore_eos=True)
+    # 12 usable blocks of 4 cannot hold three of the longer sequences: requests get preempted.
+    config = dict(
+        max_model_len=48,
+        block_size=4,
+        max_num_seqs=3,
+        num_kv_blocks=13,
+        max_num_batched_tokens=16,
+        record_steps=None,
+    )
+    runs = {}
+    for mode in (False, True):
+        llm = LLM(path, async_scheduling=mode, **config)
+        assert llm.engine.runner.num_state_slots == 3
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[mode] = [o.outputs[0].token_ids for o in outputs]
+        assert sum(s.num_preempted for s in llm.engine.stats) > 0, mode
+    assert runs[True] == runs[False]
