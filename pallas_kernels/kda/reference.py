@@ -190,15 +190,29 @@ def kda_chunk_reference(
 def kda_decode_reference(
     q, k, v, g, beta, state_pool, state_indices, *, scale: float, l2norm_qk: bool = True
 ):
-    """One token per row; (o [N, HV, V], new pool). Rows with slot -1 output zeros and touch nothing."""
+    """One token per row; (o [N, HV, V], new pool). Rows with slot -1 output zeros and touch nothing.
+
+    Row by row, each reading and writing its own slot of the pool in place: on XLA:CPU the batched
+    form (gather every row's state, step, scatter back) streams N states through memory several
+    times and fell off a cliff past the cache (N 64, 4 heads of 128: 56 ms against 6 ms this way,
+    same bits).
+    """
     shapes.check_decode("kda_decode_reference", q, k, v, g, beta, state_pool, state_indices)
     hv = v.shape[1]
     qf, kf = _prepare_qk(q, k, hv, scale=scale, l2norm_qk=l2norm_qk)
-    live = state_indices >= 0
-    slot = jnp.where(live, state_indices, 0)
-    s = state_pool[slot].astype(jnp.float32)
-    step = jax.vmap(recurrent_step)
-    s, o = step(s, qf, kf, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32))
-    drop = jnp.where(live, state_indices, state_pool.shape[0])
-    pool = state_pool.at[drop].set(s.astype(state_pool.dtype), mode="drop")
-    return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), pool
+    vf, gf, bf = (x.astype(jnp.float32) for x in (v, g, beta))
+
+    def row(r, carry):
+        pool, out = carry
+        live = state_indices[r] >= 0
+        slot = jnp.where(live, state_indices[r], 0)
+        old = lax.dynamic_index_in_dim(pool, slot, keepdims=False)
+        s, o = recurrent_step(old.astype(jnp.float32), qf[r], kf[r], vf[r], gf[r], bf[r])
+        pool = lax.dynamic_update_index_in_dim(
+            pool, jnp.where(live, s.astype(pool.dtype), old), slot, 0
+        )
+        return pool, out.at[r].set(jnp.where(live, o, 0.0))
+
+    out = jnp.zeros(v.shape, jnp.float32)
+    pool, out = lax.fori_loop(0, q.shape[0], row, (state_pool, out))
+    return out.astype(v.dtype), pool
