@@ -34,3 +34,7 @@ class ModelBatch:
     # prompt attend to each other both ways, the generated suffix causally). None: causal only.
     # The runner keeps a prefix whole in one step, so a prefix never spans two steps' queries.
     prefix_lens: jax.Array | None = None  # int32[S]
+    # Static (part of the compiled program): > 0 on a step where every sequence has one query
+    # token, bounding the step's live KV chunks, so the jnp attention path gathers those only
+    # (pallas_kernels/ragged_paged_attention/decode.py); 0 otherwise.
+    decode_chunks: int = struct.field(pytree_node=False, default=0)

@@ -125,6 +125,7 @@ def _attend(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         prefix_lens=prefix_lens,
+        decode_chunks=batch.decode_chunks,
         impl=impl,
     )
     return out, k_cache, v_cache

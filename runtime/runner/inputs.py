@@ -79,6 +79,9 @@ class HostBatch:
         default_factory=dict
     )  # req -> (start, n)
     num_tokens: int = 0
+    # ModelBatch.decode_chunks: the bucketed live KV chunks of a one-token-per-sequence step
+    # (0: another step, or a builder without decode_chunk_blocks).
+    decode_chunks: int = 0
 
 
 class BatchBuilder:
@@ -90,6 +93,7 @@ class BatchBuilder:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_state_slots: int = 0,
+        decode_chunk_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         # 0: the model keeps no recurrent state. Otherwise slots 0..n-1 are the core's and n is
@@ -108,7 +112,23 @@ class BatchBuilder:
             min(b, self.max_blocks_per_seq)
             for b in half_step_buckets(first, self.max_blocks_per_seq)
         )
-        self._seen_shapes: set[tuple[int, int, int]] = set()
+        # Blocks per KV chunk of the jnp decode path (decode.chunk_blocks; 0: the model's
+        # attention does not take decode_chunks). A step whose every sequence has one query token
+        # then has a live-chunk count, bucketed per sequence bucket (decode_chunk_buckets), in
+        # place of a table-width bucket: its table is always max_blocks_per_seq wide, as its
+        # attention cost follows the live chunks and not the width.
+        self.decode_chunk_blocks = decode_chunk_blocks
+        self._seen_shapes: set[tuple[int, int, int, int]] = set()
+
+    def decode_chunk_buckets(self, s_pad: int) -> tuple[int, ...]:
+        """Live-chunk buckets of a one-token-per-sequence step padded to s_pad sequences:
+        s_pad x (1, 1.5, 2, 3, 4, ...) up to every sequence at max_model_len."""
+        per_seq = -(-self.max_blocks_per_seq // self.decode_chunk_blocks)
+        return half_step_buckets(s_pad, s_pad * per_seq)
+
+    def chunks_of(self, context: int) -> int:
+        """KV chunks of one sequence's context of this many tokens on the decode path."""
+        return -(-context // (self.decode_chunk_blocks * self.block_size))
 
     def build(
         self,
@@ -127,7 +147,14 @@ class BatchBuilder:
         longest = max(
             (rows[r].num_computed_tokens + num_scheduled_tokens[r] for r in order), default=1
         )
-        mb_pad = bucket(-(-longest // bs), self.block_buckets)
+        decode = (
+            self.decode_chunk_blocks > 0
+            and num_tokens == len(order) > 0
+            and all(num_scheduled_tokens[r] == 1 for r in order)
+        )
+        mb_pad = (
+            self.max_blocks_per_seq if decode else bucket(-(-longest // bs), self.block_buckets)
+        )
 
         # Built as Python lists and converted once per array: per-row numpy calls cost more
         # than the data (a decode row is one token).
@@ -183,10 +210,14 @@ class BatchBuilder:
         # anything from one step to the next.
         state_reset = np.ones(s_pad, np.bool_)
         state_reset[:num_seqs] = reset_rows
-        shape = (t_pad, s_pad, mb_pad)
+        chunks = 0
+        if decode:
+            live = sum(self.chunks_of(n) for n in kv_lens)
+            chunks = bucket(live, self.decode_chunk_buckets(s_pad))
+        shape = (t_pad, s_pad, mb_pad, chunks)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
-            log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d", *shape)
+            log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d chunks=%d", *shape)
 
         arrays = dict(
             token_ids=padded(tokens, t_pad),
@@ -200,7 +231,9 @@ class BatchBuilder:
             state_slots=padded(state_rows, s_pad, self.num_state_slots),
             state_reset=state_reset,
         )
-        return HostBatch(arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens)
+        return HostBatch(
+            arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens, decode_chunks=chunks
+        )
 
     def _state_rows(
         self,

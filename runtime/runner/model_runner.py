@@ -34,8 +34,10 @@ from model.batch import ModelBatch
 from model.config import ModelConfig
 from model.loader import load_model
 from model.sharding import replicated
+from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.backends import BackendError
 from pallas_kernels.platform import current_platform
+from pallas_kernels.ragged_paged_attention import decode as rpa_decode
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.multimodal.image_prompt import image_spec
 from runtime.runner import cpu_bf16, multihost, parallel, request_rows
@@ -78,6 +80,14 @@ def _prompt_logprobs(graphdef, params, hidden_rows, next_ids, *, num_logprobs):
 def _taken(caches) -> bool:
     """Whether a jitted call took (donated and deleted) these cache arrays."""
     return any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(caches))
+
+
+def _decode_chunk_blocks(backends: dict, block_size: int) -> int:
+    """Blocks per live KV chunk for the builder when the model's paged attention runs the jnp
+    path, which attends only a decode step's live chunks; 0 (no chunk count, no extra shapes)
+    for any other kernel or a model without that attention."""
+    choice = backends.get(rpa.OP)
+    return rpa_decode.chunk_blocks(block_size) if choice and choice.impl == "reference" else 0
 
 
 def cache_dtype(model_dtype: str, attention_backend: str) -> str:
@@ -202,6 +212,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             num_state_slots=self.num_state_slots,
+            decode_chunk_blocks=_decode_chunk_blocks(self.backends, block_size),
         )
         self.rows: dict[str, RequestRow] = {}
         # The newest dispatched step not yet read back, and its sampled ids on the device (padded
@@ -332,7 +343,11 @@ class ModelRunner:
         # Host arrays go to the jitted step as they are: the call transfers them in its C++
         # dispatch (jnp.asarray on each one first cost ~80 us apiece, most of a decode step's
         # host time).
-        batch = ModelBatch(**host_batch.arrays, **self._multimodal(scheduler_output, host_batch))
+        batch = ModelBatch(
+            **host_batch.arrays,
+            decode_chunks=host_batch.decode_chunks,
+            **self._multimodal(scheduler_output, host_batch),
+        )
         last_sampled = self._last_sampled
         if self.placement is not None:
             batch, metadata = self.placement.host_inputs((batch, metadata))

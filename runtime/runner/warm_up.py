@@ -11,7 +11,8 @@ allow (all of it is hundreds of shapes), the ones a batch of prompts meets for s
   (the last one cut by chunked prefill);
 - every decode step: one token per running request, for every count of running requests from
   all of them down to one, at every context bucket from the shortest prompt to the longest
-  prompt plus its max_tokens.
+  prompt plus its max_tokens (with the jnp decode path, BatchBuilder.decode_chunk_blocks: at
+  every live-chunk bucket between the fewest and the most chunks that many requests can hold).
 Mixed steps (a prompt admitted while others decode), prefix-cache hits and preemptions may meet
 other shapes; those compile when met, as before. Prompt-logprob steps too (another program).
 """
@@ -29,7 +30,8 @@ from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_
 
 log = logging.getLogger(__name__)
 
-Shape = tuple[int, int, int]  # (tokens, seqs, blocks per seq), as BatchBuilder.build pads them
+# (tokens, seqs, blocks per seq, live decode chunks or 0), as BatchBuilder.build pads them
+Shape = tuple[int, int, int, int]
 
 
 def run_shapes(
@@ -59,32 +61,39 @@ def run_shapes(
         seqs += 1
         longest = max(longest, take)
     taken = max_num_batched_tokens - budget
-    shapes = [
-        (bucket(taken, builder.token_buckets), bucket(seqs, builder.seq_buckets), blocks(longest))
-    ]
+    t_first, s_first = bucket(taken, builder.token_buckets), bucket(seqs, builder.seq_buckets)
+    if builder.decode_chunk_blocks and taken == seqs:  # every first prompt is one token
+        first = builder.decode_chunk_buckets(s_first)
+        shapes = [(t_first, s_first, builder.max_blocks_per_seq, bucket(seqs, first))]
+    else:
+        shapes = [(t_first, s_first, blocks(longest), 0)]
     # Decode: a running request's context goes from its prompt + 1 to prompt + max_tokens.
     running = min(len(prompt_lens), max_num_seqs)
-    lo = blocks(min(prompt_lens) + 1)
-    hi = blocks(max(p + m for p, m in zip(prompt_lens, max_tokens, strict=True)))
-    contexts = [b for b in builder.block_buckets if lo <= b <= hi]
-    counts = sorted(
-        {
-            (bucket(n, builder.token_buckets), bucket(n, builder.seq_buckets))
-            for n in range(1, running + 1)
-        },
-        reverse=True,
-    )
-    for t, s in counts:
-        for b in contexts:
-            if (t, s, b) not in shapes:
-                shapes.append((t, s, b))
+    shortest = min(prompt_lens) + 1
+    longest = max(p + m for p, m in zip(prompt_lens, max_tokens, strict=True))
+    counts: dict[tuple[int, int], list[int]] = {}
+    for n in range(1, running + 1):
+        key = (bucket(n, builder.token_buckets), bucket(n, builder.seq_buckets))
+        counts.setdefault(key, []).append(n)
+    for (t, s), ns in sorted(counts.items(), reverse=True):
+        if builder.decode_chunk_blocks:
+            chunk_buckets = builder.decode_chunk_buckets(s)
+            lo = bucket(min(ns) * builder.chunks_of(shortest), chunk_buckets)
+            hi = bucket(max(ns) * builder.chunks_of(longest), chunk_buckets)
+            wide = builder.max_blocks_per_seq
+            met = [(t, s, wide, c) for c in chunk_buckets if lo <= c <= hi]
+        else:
+            lo, hi = blocks(shortest), blocks(longest)
+            met = [(t, s, b, 0) for b in builder.block_buckets if lo <= b <= hi]
+        shapes.extend(shape for shape in met if shape not in shapes)
     return shapes
 
 
 def padding_batch(builder: BatchBuilder, shape: Shape) -> dict[str, np.ndarray]:
     """A batch of `shape` whose every row is padding: the arrays BatchBuilder.build makes for
-    a step of that shape, same names, dtypes and shapes (only the shapes matter to compile)."""
-    t, s, mb = shape
+    a step of that shape, same names, dtypes and shapes (only the shapes matter to compile;
+    the shape's decode chunks go to ModelBatch beside them)."""
+    t, s, mb, _ = shape
     return dict(
         token_ids=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -142,7 +151,7 @@ def precompile(
         return False
     k = logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size)
     for shape in shapes:
-        batch = ModelBatch(**padding_batch(runner.builder, shape))
+        batch = ModelBatch(**padding_batch(runner.builder, shape), decode_chunks=shape[3])
         metadata = _metadata(runner, sampling_params, shape[1])
         _step.lower(
             runner.graphdef,
@@ -154,6 +163,6 @@ def precompile(
             num_logprobs=k,
             want_hidden=False,
         ).compile()
-        log.info("compiled batch shape: tokens=%d seqs=%d blocks/seq=%d", *shape)
+        log.info("compiled batch shape: tokens=%d seqs=%d blocks/seq=%d chunks=%d", *shape)
         done(shape)
     return True
