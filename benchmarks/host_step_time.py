@@ -1,13 +1,15 @@
 """Host time per engine step: schedule + input build + update + output processing, device excluded.
 
     python -m benchmarks.host_step_time [--json] [--requests 64] [--max-tokens 64] [--repeats 3]
+        [--async-scheduling | --no-async-scheduling]
 
 The embedded default checkpoint (it has a tokenizer, so outputs are detokenized), `--requests`
 greedy requests of 16-48 random prompt tokens and `--max-tokens` outputs each (ignore_eos), all
 at once into one `LLM.generate`. Phases are this thread's CPU time (the machine is shared: wall
 time also counts other processes' turns on the cores), taken by wrapping the scheduler's
-`schedule` / `update`, the runner's `execute` and its jitted device step (which is waited for
-and subtracted); "output" is the rest of `Engine.step` (output processing, stats). A warm-up run
+`schedule` / `update`, the runner's `dispatch` and `collect` (its execute) and its jitted device
+step (which is waited for and subtracted, so with --async-scheduling nothing overlaps: the host
+work is what is measured); "output" is the rest of `Engine.step` (output processing, stats). A warm-up run
 compiles every shape first. Each repeat is one batch of fresh prompts; the figures are those of
 the repeat with the lowest mean host time (other load only ever adds time).
 """
@@ -52,7 +54,9 @@ def _instrument(llm, clock: _Clock) -> None:
     scheduler.update = clock.wrap("update", scheduler.update)
     model_runner._step = clock.wrap("device", model_runner._step, block=True)
     runner = llm.engine.runner
-    runner.execute = clock.wrap("execute", runner.execute)
+    # execute is dispatch then collect; async scheduling calls the two apart.
+    for name in ("dispatch", "collect"):
+        setattr(runner, name, clock.wrap("execute", getattr(runner, name)))
     engine = llm.engine
     step = engine.step
 
@@ -71,10 +75,17 @@ def _instrument(llm, clock: _Clock) -> None:
     engine.step = timed_step
 
 
-def run(num_requests: int, max_tokens: int, repeats: int) -> dict:
+def run(
+    num_requests: int, max_tokens: int, repeats: int, async_scheduling: bool | None = None
+) -> dict:
     from vlax import LLM, SamplingParams
 
-    llm = LLM(max_model_len=256, max_num_seqs=num_requests, block_size=16)
+    llm = LLM(
+        max_model_len=256,
+        max_num_seqs=num_requests,
+        block_size=16,
+        async_scheduling=async_scheduling,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rng = np.random.default_rng(0)
     vocab = llm.engine.model_config.vocab_size
@@ -115,6 +126,7 @@ def run(num_requests: int, max_tokens: int, repeats: int) -> dict:
         "median_of_run_means_ms": round(statistics.median(r["mean_host_ms"] for r in runs), 4),
         "requests": num_requests,
         "max_tokens": max_tokens,
+        "async_scheduling": llm.engine.async_scheduling,
     }
 
 
@@ -124,8 +136,14 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="LLM(async_scheduling=...) (default: the engine's choice)",
+    )
     args = ap.parse_args(argv)
-    result = run(args.requests, args.max_tokens, args.repeats)
+    result = run(args.requests, args.max_tokens, args.repeats, args.async_scheduling)
     if not args.json:
         print(json.dumps(result, indent=1), file=sys.stderr)
     print(json.dumps(result))
