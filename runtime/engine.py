@@ -409,8 +409,10 @@ class Engine:
             self.state = state
         for processed in batch:
             self.output_processor.add(processed)
-            if processed.pixel_values:
+            if self.runner.encoder_path is not None:
                 # The images go to the runner's vision tower; the core holds only their hashes.
+                # Every request is handed over, with or without images: the runner counts each
+                # admission of an id, which may be reused before it hears the old one finished.
                 for child in processed.children:
                     self.runner.encoder_path.add_request(
                         child.request_id, child.mm_inputs, processed.pixel_values

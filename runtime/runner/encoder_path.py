@@ -2,12 +2,17 @@
 
 The core decides everything (runtime/core/encoder): which items a step encodes
 (`scheduled_encoder_inputs`) and which outputs the runner may drop (`free_encoder_hashes`). This
-file only follows it: it runs the vision tower on exactly the items the step names (each item's
-pixels were handed over when its request was admitted), keeps the outputs on the device by hash,
-and lays this step's rows out for the model: `mm_embeds[t]` is the embedding of the placeholder at
-token row t where `mm_mask[t]` holds. A step's token range may start or end inside an item's
-placeholder run (a chunk boundary, a prefix hit): its rows take that item's embeddings from the
-matching offset.
+file only follows it: it runs the vision tower on exactly the items the step names, keeps the
+outputs on the device by hash, and lays this step's rows out for the model: `mm_embeds[t]` is the
+embedding of the placeholder at token row t where `mm_mask[t]` holds. A step's token range may
+start or end inside an item's placeholder run (a chunk boundary, a prefix hit): its rows take that
+item's embeddings from the matching offset.
+
+Which items a request has comes with the step (NewRequestData.mm_inputs, kept on the runner's
+request row), so a request id reused after its old request finished names the new request's
+items, in the order the runner drops and adds rows. Images are kept by content hash too: one copy
+however many live requests show it. They are handed over when a request is admitted, before the
+runner hears of it, and dropped when the runner hears that the last request holding them finished.
 
 A step that fails before the device took the KV cache is undone: outputs it computed are dropped
 (the core, back at the state of before the step, still thinks them uncomputed) and nothing was
@@ -17,6 +22,7 @@ freed (frees and finished requests are applied only once a step went through).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from functools import partial
 
@@ -63,9 +69,14 @@ class EncoderPath:
                 f"says {num_image_tokens} image tokens"
             )
         self.hidden, self.dtype = probe.shape[2], probe.dtype
-        # Live requests' items and pixels (index-aligned), given at admission.
-        self.items: dict[str, tuple[MultiModalInput, ...]] = {}
-        self.pixels: dict[str, tuple[np.ndarray, ...]] = {}
+        # Images by content hash, and how many admitted requests hold each.
+        self.pixels: dict[str, np.ndarray] = {}
+        self._holders: dict[str, int] = {}
+        # Request id -> the hashes of each admission under that id, oldest first. An id may be
+        # admitted again before the runner hears that its old request finished; each finish the
+        # runner hears releases the oldest admission (a finished one: a live request's admission
+        # is never older than one whose finish is still to be heard).
+        self._admissions: dict[str, deque[tuple[str, ...]]] = {}
         # content hash -> float[num_embeds, hidden] on the device.
         self.outputs: dict[str, jax.Array] = {}
         # Images the vision tower has encoded, over the runner's life (padding rows not counted).
@@ -77,29 +88,38 @@ class EncoderPath:
     def add_request(
         self, request_id: str, items: Sequence[MultiModalInput], pixels: Sequence[np.ndarray]
     ) -> None:
+        """A request was admitted (every request of the model, with or without images): keep its
+        images until the runner hears it finished."""
         if len(items) != len(pixels):
             raise ValueError(
                 f"request {request_id!r}: {len(items)} multimodal items but {len(pixels)} images"
             )
-        if items:
-            self.items[request_id] = tuple(items)
-            self.pixels[request_id] = tuple(pixels)
+        hashes = tuple(item.content_hash for item in items)
+        for content_hash, image in zip(hashes, pixels, strict=True):
+            self.pixels.setdefault(content_hash, image)
+            self._holders[content_hash] = self._holders.get(content_hash, 0) + 1
+        self._admissions.setdefault(request_id, deque()).append(hashes)
 
-    def encode(self, scheduled: Mapping[str, tuple[int, ...]]) -> None:
-        """Run the vision tower once over every item this step asks for (one batch)."""
+    def encode(
+        self,
+        scheduled: Mapping[str, tuple[int, ...]],
+        items_of: Mapping[str, Sequence[MultiModalInput]],
+    ) -> None:
+        """Run the vision tower once over every item this step asks for (one batch);
+        `items_of[request_id]` is the request's multimodal items (its mm_inputs)."""
         self._computed_this_step = []
         todo: dict[str, np.ndarray] = {}
         for request_id, indices in scheduled.items():
             for index in indices:
                 try:
-                    item = self.items[request_id][index]
-                    pixels = self.pixels[request_id][index]
+                    content_hash = items_of[request_id][index].content_hash
+                    pixels = self.pixels[content_hash]
                 except (KeyError, IndexError):
                     raise EncoderMiss(
                         f"the step asks to encode item {index} of request {request_id!r}, "
-                        "whose images the runner was never given"
+                        "whose image the runner was never given (or dropped)"
                     ) from None
-                todo.setdefault(item.content_hash, pixels)
+                todo.setdefault(content_hash, pixels)
         if not todo:
             return
         hashes = list(todo)
@@ -116,12 +136,14 @@ class EncoderPath:
     def rows(
         self,
         order: Sequence[str],
+        items_of: Mapping[str, Sequence[MultiModalInput]],
         computed: Mapping[str, int],
         num_scheduled: Mapping[str, int],
         num_rows: int,
     ) -> tuple[jax.Array, np.ndarray]:
         """(mm_embeds [num_rows, hidden], mm_mask [num_rows]) for this step's token rows, laid
-        out as the batch builder lays out tokens (each request's scheduled tokens in `order`)."""
+        out as the batch builder lays out tokens (each request's scheduled tokens in `order`);
+        `items_of[request_id]` is the request's multimodal items."""
         used: dict[str, int] = {}
         item_of = np.zeros(num_rows, np.int32)
         embed_of = np.zeros(num_rows, np.int32)
@@ -130,7 +152,7 @@ class EncoderPath:
         for request_id in order:
             first = computed[request_id]
             end = first + num_scheduled[request_id]
-            for item in self.items.get(request_id, ()):
+            for item in items_of.get(request_id, ()):
                 lo, hi = max(first, item.offset), min(end, item.end)
                 if lo >= hi:
                     continue
@@ -156,12 +178,12 @@ class EncoderPath:
         return _rows(source, item_of, embed_of, mask, num_rows=num_rows), mask
 
     def end_step(self, scheduler_output: SchedulerOutput) -> None:
-        """The step went through: drop what the core freed and the finished requests' images."""
+        """The step went through: drop what the core freed, and the images no request that is
+        still live holds."""
         for content_hash in scheduler_output.free_encoder_hashes:
             self.outputs.pop(content_hash, None)
         for request_id in scheduler_output.finished_req_ids:
-            self.items.pop(request_id, None)
-            self.pixels.pop(request_id, None)
+            self._release(request_id)
         self._computed_this_step = []
 
     def undo_step(self) -> None:
@@ -170,3 +192,16 @@ class EncoderPath:
             self.outputs.pop(content_hash, None)
             self.num_encoded -= 1
         self._computed_this_step = []
+
+    def _release(self, request_id: str) -> None:
+        """The runner heard that `request_id` finished: its oldest admission lets go of its
+        images (a request the runner was never given: nothing)."""
+        admissions = self._admissions.get(request_id)
+        if not admissions:
+            return
+        for content_hash in admissions.popleft():
+            self._holders[content_hash] -= 1
+            if not self._holders[content_hash]:
+                del self._holders[content_hash], self.pixels[content_hash]
+        if not admissions:
+            del self._admissions[request_id]

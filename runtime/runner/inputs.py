@@ -35,6 +35,8 @@ class RequestRow:
     num_prompt_logprobs_done: int = 0
     # EOS ids the sampler holds back while the request is below min_tokens.
     eos_token_ids: tuple[int, ...] = ()
+    # Its multimodal items (placeholder runs and content hashes), as the scheduler gave them.
+    mm_inputs: tuple = ()
 
 
 def power_of_two_buckets(lo: int, hi: int) -> tuple[int, ...]:

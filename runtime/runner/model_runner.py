@@ -410,11 +410,14 @@ class ModelRunner:
         path = self.encoder_path
         if path is None:
             return {}
-        path.encode(scheduler_output.scheduled_encoder_inputs)
         order = host_batch.req_ids
+        items_of = {r: self.rows[r].mm_inputs for r in order}
+        path.encode(scheduler_output.scheduled_encoder_inputs, items_of)
         num_rows = host_batch.arrays["token_ids"].shape[0]
         computed = {r: self.rows[r].num_computed_tokens for r in order}
-        embeds, mask = path.rows(order, computed, scheduler_output.num_scheduled_tokens, num_rows)
+        embeds, mask = path.rows(
+            order, items_of, computed, scheduler_output.num_scheduled_tokens, num_rows
+        )
         prefix_lens = np.zeros(host_batch.arrays["kv_lens"].shape[0], np.int32)
         prefix_lens[: len(order)] = [self.rows[r].prompt_len for r in order]
         return dict(mm_embeds=embeds, mm_mask=mask, prefix_lens=prefix_lens)

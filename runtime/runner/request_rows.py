@@ -55,6 +55,7 @@ def apply(
             sampling_params=new_request.sampling_params,
             num_computed_tokens=new_request.num_computed_tokens,
             eos_token_ids=new_request.eos_token_ids,
+            mm_inputs=new_request.mm_inputs,
         )
         order.append(new_request.req_id)
     return order, log

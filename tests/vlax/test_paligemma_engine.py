@@ -205,3 +205,39 @@ def test_image_errors_name_the_request(checkpoint, llm):
     with pytest.raises(ValueError, match="image 0's encoder output is 16 embeddings, more than "):
         small.generate([_request([5, 6], good)], GREEDY, use_tqdm=False)
     assert not small.engine.has_unfinished_requests() and small.engine.totals.steps == 0
+
+
+def test_a_request_id_reused_before_the_runner_hears_it_finished_keeps_its_image(llm):
+    """x finishes in a step; x is added again with another image at once, and waits behind
+    requests holding every slot. The next step tells the runner the old x finished: that must not
+    drop the new x's image (the runner kept images by request id and lost it: EncoderMiss when
+    the new x was scheduled). Images are kept once per content hash while a request holds them."""
+    engine = llm.engine
+    path = engine.runner.encoder_path
+
+    def add(request_id, text, image, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        own = f"request {request_id!r}"
+        prompt, built = engine.input_processor.image_prompt(_request(text, image), own)
+        engine.add_processed(
+            [
+                engine.process_request(
+                    request_id, built.token_ids, params, prompt=prompt, images=built
+                )
+            ]
+        )
+
+    shared, old, new = _image(70, 20, 30), _image(71, 30, 20), _image(72, 25, 25)
+    add("x", _text(70, 4), old, 1)
+    for k in range(ENGINE["max_num_seqs"]):
+        add(f"b{k}", _text(71 + k, 3), shared, 4)
+    assert len(path.pixels) == 2  # eight requests show one image: kept once
+    finished = {o.request_id: o for o in engine.step()}
+    assert "x" in finished  # and its finish reaches the runner with the next step
+    add("x", _text(80, 5), new, NEW_TOKENS)
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step())
+    (reference,) = llm.generate([_request(_text(80, 5), new)], GREEDY, use_tqdm=False)
+    assert finished["x"].outputs[0].token_ids == reference.outputs[0].token_ids
+    engine.step()  # nothing to run: the runner hears of the last finishes
+    assert path.pixels == {}

@@ -1,6 +1,8 @@
 """The runner's encoder path on the tiny PaliGemma: rows spliced from any offset into a
 placeholder run (a step starting or ending inside an image), encodes only of what the step names,
-misses named, frees applied only once a step went through, a failed step's outputs forgotten."""
+misses named, frees applied only once a step went through, a failed step's outputs forgotten,
+images kept once per content hash for as long as an admitted request holds them, and a request id
+admitted again before the runner heard its old request finished."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,14 +45,15 @@ def _output(**fields) -> SchedulerOutput:
 def test_rows_from_inside_a_placeholder_run(path):
     rng = np.random.default_rng(0)
     pixels = [rng.standard_normal((3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32) for _ in "ab"]
-    path.add_request("a", (MultiModalInput("A", 0, N),), (pixels[0],))
-    path.add_request("b", (MultiModalInput("B", 4, N),), (pixels[1],))
-    path.encode({"a": (0,), "b": (0,)})
+    items = {"a": (MultiModalInput("A", 0, N),), "b": (MultiModalInput("B", 4, N),)}
+    path.add_request("a", items["a"], (pixels[0],))
+    path.add_request("b", items["b"], (pixels[1],))
+    path.encode({"a": (0,), "b": (0,)}, items)
     assert path.num_encoded == 2
     expected = {h: np.asarray(path.outputs[h]) for h in "AB"}
     # a: tokens 5..20 (starts inside its image, ends after it); b: tokens 0..11 (ends inside).
     computed, scheduled = {"a": 5, "b": 0}, {"a": 16, "b": 12}
-    embeds, mask = path.rows(["a", "b"], computed, scheduled, 32)
+    embeds, mask = path.rows(["a", "b"], items, computed, scheduled, 32)
     embeds = np.asarray(embeds)
     want = np.zeros(32, bool)
     want[0:11] = True  # a's positions 5..15
@@ -60,26 +63,50 @@ def test_rows_from_inside_a_placeholder_run(path):
     np.testing.assert_array_equal(embeds[20:28], expected["B"][0:8])
     assert not embeds[~want].any()
     # The same image from the other side of a chunk boundary: b's positions 12..19.
-    embeds, mask = path.rows(["b"], {"b": 12}, {"b": 10}, 16)
+    embeds, mask = path.rows(["b"], items, {"b": 12}, {"b": 10}, 16)
     np.testing.assert_array_equal(np.asarray(embeds)[:8], expected["B"][8:16])
     assert mask[:8].all() and not mask[8:].any()
 
 
 def test_misses_frees_and_a_failed_step(path):
     with pytest.raises(EncoderMiss, match="item 0 of request 'ghost'"):
-        path.encode({"ghost": (0,)})
-    path.add_request("c", (MultiModalInput("C", 0, N),), (np.zeros((3, 32, 32), np.float32),))
+        path.encode({"ghost": (0,)}, {})
+    items = {"c": (MultiModalInput("C", 0, N),)}
+    path.add_request("c", items["c"], (np.zeros((3, 32, 32), np.float32),))
     with pytest.raises(EncoderMiss, match="request 'c' computes placeholder rows 0..3"):
-        path.rows(["c"], {"c": 0}, {"c": 4}, 16)
+        path.rows(["c"], items, {"c": 0}, {"c": 4}, 16)
     count = path.num_encoded
-    path.encode({"c": (0,)})
+    path.encode({"c": (0,)}, items)
     path.undo_step()  # the step failed before the device ran it
     assert "C" not in path.outputs and path.num_encoded == count
-    path.encode({"c": (0,)})
+    path.encode({"c": (0,)}, items)
     path.end_step(_output(free_encoder_hashes=("A",), finished_req_ids=("a",)))
-    assert "A" not in path.outputs and "C" in path.outputs and "a" not in path.items
+    assert "A" not in path.outputs and "C" in path.outputs and "A" not in path.pixels
     with pytest.raises(ValueError, match="1 multimodal items but 0 images"):
         path.add_request("d", (MultiModalInput("D", 0, N),), ())
     # No image rows at all: zeros, nothing masked, same dtype as the outputs.
-    embeds, mask = path.rows(["c"], {"c": N}, {"c": 1}, 16)
+    embeds, mask = path.rows(["c"], items, {"c": N}, {"c": 1}, 16)
     assert embeds.dtype == jnp.float32 and not mask.any() and not np.asarray(embeds).any()
+
+
+def test_images_are_kept_once_per_hash_while_an_admission_holds_them(path):
+    rng = np.random.default_rng(1)
+    image, other = (rng.standard_normal((3, 32, 32)).astype(np.float32) for _ in "io")
+    shared = (MultiModalInput("S", 0, N),)
+    path.add_request("p", shared, (image,))
+    path.add_request("q", shared, (image.copy(),))
+    path.add_request("text", (), ())  # a request without images is admitted too
+    assert path.pixels["S"] is image  # one copy for both requests
+    path.end_step(_output(finished_req_ids=("p", "text")))
+    assert "S" in path.pixels  # q still holds it
+    # The scenario that lost images: "q" finishes and its id is admitted again, with another
+    # image, before the runner hears of the finish. The finish releases the old admission only.
+    path.add_request("q", (MultiModalInput("O", 0, N),), (other,))
+    path.end_step(_output(finished_req_ids=("q",)))
+    assert "S" not in path.pixels and path.pixels["O"] is other
+    count = path.num_encoded
+    path.encode({"q": (0,)}, {"q": (MultiModalInput("O", 0, N),)})
+    assert path.num_encoded == count + 1
+    path.end_step(_output(finished_req_ids=("q",)))
+    assert "O" not in path.pixels
+    path.end_step(_output(finished_req_ids=("never admitted",)))  # nothing to release
