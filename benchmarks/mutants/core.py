@@ -9,6 +9,7 @@ BH = "runtime/core/kv/block_hash.py"
 BP = "runtime/core/kv/block_pool.py"
 KVC = "runtime/core/kv/kv_cache.py"
 SS = "runtime/core/scheduling/plan_step.py"
+AO = "runtime/core/scheduling/assemble_output.py"
 ES = "runtime/core/scheduling/encoder_scheduling.py"
 SST = "runtime/core/scheduling/scheduler_state.py"
 EC = "runtime/core/encoder/encoder_cache.py"
@@ -162,7 +163,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots_resumed_request_not_reset",
-        SS,
+        AO,
         "reset_state_slots = tuple(sorted(owners[request_id] for request_id, _, _ in step.admitted))",
         "reset_state_slots = tuple(sorted(owners[r] for r, resumed, _ in step.admitted if not resumed))",
         CORE,
