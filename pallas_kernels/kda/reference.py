@@ -118,9 +118,12 @@ def _chunk_products(s, q, k, v, g, beta):
     i, j = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
     lower = (j <= i)[:, :, None, None]
     decay = jnp.exp(jnp.where(lower, diff, -jnp.inf))
-    a = jnp.einsum("ihd,jhd,ijhd->hij", k, k, decay, precision=HI)
+    # k_j decayed to row i, shared by both products; summed over K as elementwise products
+    # (a three-operand einsum transposed the [C, C, HV, K] tensor first on XLA:CPU).
+    k_decayed = k[None, :] * decay
+    a = jnp.sum(k[:, None] * k_decayed, axis=-1).transpose(2, 0, 1)  # [HV, i, j]
     a = jnp.where(j < i, a * beta.T[:, :, None], 0.0)
-    aqk = jnp.einsum("ihd,jhd,ijhd->hij", q, k, decay, precision=HI)
+    aqk = jnp.sum(q[:, None] * k_decayed, axis=-1).transpose(2, 0, 1)
     eye = jnp.broadcast_to(jnp.eye(c, dtype=jnp.float32), a.shape)
     tinv = jax.scipy.linalg.solve_triangular(eye + a, eye, lower=True, unit_diagonal=True)
     bt = beta[:, :, None]
