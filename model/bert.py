@@ -105,6 +105,7 @@ class BertLayer(nnx.Module):
             k[:, 0],
             v[:, 0],
             batch.cu_q_lens,
+            batch.num_seqs,
             max_len=max_len,
             causal=self.causal,
             sm_scale=d**-0.5,

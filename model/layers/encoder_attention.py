@@ -1,18 +1,25 @@
 """Self-attention within each sequence of a ragged batch of whole prompts, with no KV cache:
 encoders (bidirectional) and any model whose every sequence is computed in one step.
 
-The flat token axis is gathered into one padded row per sequence, [S, L] with L a static bound on
-every sequence's length (the caller's: the model's max_model_len or what the batch's block tables
-can hold), so the dense attention op (pallas_kernels.flash_attention) sees each
-sequence alone, padding marked by segment ids; the result is gathered back onto the flat axis.
-The kernel is chosen once, when the model is built (`choose_backend`), and the dispatcher only
-confirms it.
+Two layouts, by the dense-attention implementation chosen once when the model is built
+(`choose_backend`):
+
+- A kernel (pallas_kernels.flash_attention on a GPU): the flat token axis is gathered into one
+  padded row per sequence, [S, L] with L a static bound on every sequence's length (the caller's:
+  the model's max_model_len or what the batch's block tables can hold), padding marked by segment
+  ids; the result is gathered back onto the flat axis.
+- The jnp reference (the CPU): a loop over the batch's real sequences, each attending within a
+  window of L tokens of the flat axis. The padded layout computes S_pad x L^2 scores, most of them
+  for padding: a step of 9 prompts of ~215 tokens is bucketed to 16 rows of 256, and the
+  reference's masking passes over that tensor cost 3.7x the loop on a 2-core CPU (12 heads of 32,
+  best of 4, loaded). The loop computes num_seqs x L^2 and reads no padded copy of q, k, v.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.backends import Choice
 from pallas_kernels.flash_attention import flash_attention, select
@@ -30,20 +37,79 @@ def ragged_self_attention(
     k: jax.Array,
     v: jax.Array,
     cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
     *,
     max_len: int,
     causal: bool,
     sm_scale: float,
     backend: Choice,
 ) -> jax.Array:
-    """q [T, H, D], k and v [T, Hkv, D] over whole sequences laid out by cu_q_lens [S + 1]
-    -> [T, H, D].
+    """q [T, H, D], k and v [T, Hkv, D] over whole sequences laid out by cu_q_lens [S + 1], the
+    first `num_seqs` of them real -> [T, H, D].
 
     Every sequence must be at most `max_len` tokens (static; a longer one would be cut). Tokens
     after the last sequence (batch padding) get finite values that no caller reads.
     """
+    max_len = min(max_len, q.shape[0])
+    if backend.impl == "reference":
+        return sequence_loop_attention(
+            q, k, v, cu_q_lens, num_seqs, max_len=max_len, causal=causal, sm_scale=sm_scale
+        )
+    return _padded_attention(
+        q, k, v, cu_q_lens, max_len=max_len, causal=causal, sm_scale=sm_scale, backend=backend
+    )
+
+
+def sequence_loop_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    max_len: int,
+    causal: bool,
+    sm_scale: float,
+) -> jax.Array:
+    """Attention one real sequence at a time (a loop of num_seqs iterations, a traced count):
+    sequence i reads the window of `max_len` tokens from its start and writes its output back
+    there. A window reaches past its sequence into the next one's rows (masked as keys, and
+    overwritten when the loop reaches that sequence, since starts only grow) or into rows appended
+    after the batch, so no slice is ever moved back by XLA's clamping."""
+    num_tokens, heads, dim = q.shape
+    groups = heads // k.shape[1]
+
+    def extended(x):
+        return jnp.concatenate([x, jnp.zeros((max_len, *x.shape[1:]), x.dtype)])
+
+    q_all, k_all, v_all = extended(q), extended(k), extended(v)
+    offsets = jnp.arange(max_len)
+    allowed = offsets[None, :] <= offsets[:, None] if causal else True  # [L, L] or every key
+
+    def one_sequence(i, out):
+        start, length = cu_q_lens[i], cu_q_lens[i + 1] - cu_q_lens[i]
+
+        def window(x):
+            return lax.dynamic_slice_in_dim(x, start, max_len).astype(jnp.float32)
+
+        inside = offsets < length
+        qs = window(q_all).reshape(max_len, k.shape[1], groups, dim)
+        # Keys past the sequence are the next one's (or zeros): masked, and their values zeroed
+        # so that a non-finite value there cannot reach this sequence through 0 * inf.
+        ks, vs = window(k_all), jnp.where(inside[:, None, None], window(v_all), 0.0)
+        scores = jnp.einsum("qkgd,skd->kgqs", qs, ks) * sm_scale  # [Hkv, G, L, L]
+        # Every query row keeps key 0 (a sequence has at least one token), so no row is empty.
+        weights = jax.nn.softmax(jnp.where(inside[None, :] & allowed, scores, -jnp.inf), axis=-1)
+        attended = jnp.einsum("kgqs,skd->qkgd", weights, vs).reshape(max_len, heads, dim)
+        return lax.dynamic_update_slice_in_dim(out, attended.astype(out.dtype), start, 0)
+
+    out = lax.fori_loop(0, num_seqs, one_sequence, jnp.zeros_like(q_all))
+    return out[:num_tokens]
+
+
+def _padded_attention(q, k, v, cu_q_lens, *, max_len, causal, sm_scale, backend) -> jax.Array:
+    """One padded row per sequence through the dense-attention kernel, gathered back."""
     num_tokens = q.shape[0]
-    max_len = min(max_len, num_tokens)
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
     offsets = jnp.arange(max_len)
     valid = offsets[None, :] < (ends - starts)[:, None]  # [S, L]
