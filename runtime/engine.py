@@ -487,17 +487,11 @@ class Engine:
             return self._step_async()
         if self.offloader is not None:
             self._admit_looked_up()
-        before = self.state
-        scheduled, scheduler_output = sched.schedule(before)
-        try:
-            runner_out = self.runner.execute(scheduler_output)
-        except RequestFailed as err:
-            # The runner is as before the call, so `before` is still the truth.
-            return self._fail(before, scheduler_output, err)
-        except RunnerLost as err:
-            raise self._die(err) from err
-        # Any other exception leaves the runner as before the call too: `before` stays current,
-        # and the caller gets the exception.
+        scheduled, scheduler_output, runner_out, failed = self._schedule_and_run(
+            self.runner.execute
+        )
+        if failed is not None:
+            return failed
         try:
             results = ()
             if self.offloader is not None:
@@ -522,15 +516,12 @@ class Engine:
         wait for N, apply it and return the requests that finished in it."""
         queue = self._in_flight
         if sched.has_unfinished_requests(self.state):
-            before = self.state
-            scheduled, scheduler_output = sched.schedule(before)
-            try:
-                dispatched = self.runner.dispatch(scheduler_output)
-            except RequestFailed as err:
-                # Nothing of N+1 reached the device; `before` (N still in flight) is the truth.
-                return self._fail(before, scheduler_output, err)
-            except RunnerLost as err:
-                raise self._die(err) from err
+            # A failed dispatch left N in the queue and the state of before N+1 current.
+            scheduled, scheduler_output, dispatched, failed = self._schedule_and_run(
+                self.runner.dispatch
+            )
+            if failed is not None:
+                return failed
             self.state = scheduled
             queue.append((scheduler_output, dispatched))
             self._count(scheduled, scheduler_output)
@@ -549,6 +540,21 @@ class Engine:
             raise self._die(err) from err
         self.state = state
         return finished
+
+    def _schedule_and_run(self, run):
+        """Schedule a step and hand it to `run` (the runner's execute or dispatch): (the state
+        schedule() returned, its output, what `run` returned, None), or, when the runner named
+        the requests it failed on, (None, output, None, their final outputs). A failure before
+        the device step leaves the runner as before the call, so the current state stays the
+        truth (any other exception reaches the caller with it unchanged)."""
+        before = self.state
+        scheduled, scheduler_output = sched.schedule(before)
+        try:
+            return scheduled, scheduler_output, run(scheduler_output), None
+        except RequestFailed as err:
+            return None, scheduler_output, None, self._fail(before, scheduler_output, err)
+        except RunnerLost as err:
+            raise self._die(err) from err
 
     def _fail(
         self, before, scheduler_output: SchedulerOutput, err: RequestFailed

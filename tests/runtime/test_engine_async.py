@@ -9,7 +9,7 @@ step in flight; a failure while N+1 is dispatched with N in flight must lose not
 import numpy as np
 import pytest
 
-from model.testing import hf_greedy, hf_load, write_tiny_checkpoint
+from model.testing import check_logprobs_close, hf_greedy, hf_load, write_tiny_checkpoint
 from runtime.config import ConfigError, EngineConfig
 from runtime.core import scheduler as sched
 from runtime.core.kv import kv_cache
@@ -110,8 +110,10 @@ def test_async_tokens_equal_sync_and_hf_greedy_and_seeded_with_preemption(llama)
         assert not llm.engine.has_unfinished_requests()
     for sync_run, async_run in zip(runs[False], runs[True], strict=True):
         assert [c[0] for c in async_run] == [c[0] for c in sync_run]
-        for (_, lp_sync), (_, lp_async) in zip(sync_run, async_run, strict=True):
-            assert lp_async == pytest.approx(lp_sync, abs=1e-4)
+        # Another batch composition (async plans a finishing request's step once more) may
+        # round differently; the tokens may not differ.
+        if sync_run[0][1]:  # the penalised run asks for no logprobs
+            check_logprobs_close(async_run, sync_run, atol=1e-4)
     model = hf_load(llama)
     reference = [hf_greedy(model, p["prompt_token_ids"], MAX_TOKENS) for p in prompts]
     assert [c[0] for c in runs[True][0]] == reference
