@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.layers import compute
+
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int, dtype):
@@ -17,4 +19,5 @@ class Embedding(nnx.Module):
 
 def lm_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     """hidden [R, H] x weight [V, H] -> f32 logits [R, V], accumulated in f32."""
+    hidden, weight = compute.dot_operands(hidden, weight)
     return jnp.einsum("rh,vh->rv", hidden, weight, preferred_element_type=jnp.float32)

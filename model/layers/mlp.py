@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from model.layers import compute
 from model.layers.linear import Linear
 from model.sharding import group_size, split_fused
 
@@ -30,4 +31,7 @@ class GatedMLP(nnx.Module):
         # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
         n = self.intermediate
         gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
+        # Rounded where HF rounds (the activation, then the product), computed as compute.py
+        # says: without native bf16 in f32, 9x faster than XLA:CPU's own bf16 chain.
+        act = ACTIVATIONS[self.act](compute.operand(gate)).astype(gate.dtype)
+        return self.down_proj((compute.operand(act) * compute.operand(up)).astype(gate.dtype))

@@ -32,6 +32,7 @@ from model import base, registry
 from model.base import ModelOptions, compute_logits, forward
 from model.batch import ModelBatch
 from model.config import ModelConfig
+from model.layers import compute
 from model.loader import load_model
 from model.sharding import replicated
 from pallas_kernels import ragged_paged_attention as rpa
@@ -111,7 +112,11 @@ def cache_dtype(model_dtype: str, attention_backend: str) -> str:
 def model_options(
     model_config: ModelConfig, block_size: int, attention_backend: str
 ) -> ModelOptions:
-    """What the runner tells a family beside its checkpoint's config."""
+    """What the runner tells a family beside its checkpoint's config. For a bf16 model on the CPU
+    it also sets what this process computes bf16 operands in, before the model is built and
+    traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py)."""
+    if model_config.dtype == "bfloat16" and current_platform() == "cpu":
+        compute.widen_bf16(cpu_bf16.host_choice().compute_dtype == "float32")
     return ModelOptions(
         block_size=block_size,
         cache_dtype=cache_dtype(model_config.dtype, attention_backend),

@@ -1,0 +1,52 @@
+"""What bfloat16 operands are computed in on this host: as they are, or widened to float32.
+
+XLA:CPU on a host without native bf16 (AVX2) computes a bf16 op by widening around it, and
+does so slowly. Measured on a loaded 2-core AVX2 host (best of 8-10):
+- SiLU * up on [2048, 1408] bf16: 26.8 ms, the same chain written in f32 with the two roundings
+  HF makes: 2.9 ms (on 64 rows the same either way). Elementwise chains are always widened.
+- the dots of the benchmark Llama's step (8 layers' qkv, o, gate_up, down and the LM head), rows
+  x 512 bf16 activations: bf16 dot accumulating in f32 vs both operands widened first:
+  64 rows 450 vs 784 ms, 128 rows 1692 vs 1910, 256 rows 2808 vs 2028, 512 rows 3999 vs 3108.
+  Widening the weights costs a pass over them per dot, which pays only once enough rows share
+  it, so a dot widens from WIDEN_DOT_ROWS rows (prefill), and decode steps keep bf16 dots.
+Widening changes no value: bf16 x bf16 products are exact in f32, the dots accumulate in f32
+either way, and each result is rounded to bf16 where HF's bf16 model rounds it. Where the CPU
+has bf16 dots (AVX512-BF16, AMX) nothing is widened (runtime/runner/cpu_bf16.py says why).
+
+The choice is one per process, made by the runner from the CPU's flags before it builds a model
+(`widen_bf16`); the layers read it when they are traced, so a process that changes it must trace
+its functions again (new jitted functions, or jax.clear_caches()).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_widen = False
+WIDEN_DOT_ROWS = 256  # the fewest rows a widened dot is faster at (module docstring)
+
+
+def widen_bf16(on: bool) -> None:
+    """Compute bf16 operands in f32 (on) or as bf16 (off) from now on, in this process."""
+    global _widen
+    _widen = bool(on)
+
+
+def widening() -> bool:
+    return _widen
+
+
+def operand(x: jax.Array) -> jax.Array:
+    """`x` as the dots and elementwise chains take it: widened to f32 if it is bf16 and this
+    process widens, else unchanged."""
+    return x.astype(jnp.float32) if _widen and x.dtype == jnp.bfloat16 else x
+
+
+def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x, w) as a dot of x [..., K] with a weight w takes them: both widened to f32 when this
+    process widens and x has at least WIDEN_DOT_ROWS rows (static: known when traced)."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    if rows < WIDEN_DOT_ROWS:
+        return x, w
+    return operand(x), operand(w)
