@@ -11,8 +11,9 @@ allow (all of it is hundreds of shapes), the ones a batch of prompts meets for s
   (the last one cut by chunked prefill);
 - every decode step: one token per running request, for every count of running requests from
   all of them down to one, at every context bucket from the shortest prompt to the longest
-  prompt plus its max_tokens (with the jnp decode path, BatchBuilder.decode_chunk_blocks: at
-  every live-chunk bucket between the fewest and the most chunks that many requests can hold).
+  prompt plus its max_tokens - 1, the last token being sampled, never fed back (with the jnp
+  decode path, BatchBuilder.decode_chunk_blocks: at every live-chunk bucket between the fewest
+  and the most chunks that many requests can hold). A request asking for one token has none.
 Mixed steps (a prompt admitted while others decode), prefix-cache hits and preemptions may meet
 other shapes; those compile when met, as before. Prompt-logprob steps too (another program).
 """
@@ -67,10 +68,15 @@ def run_shapes(
         shapes = [(t_first, s_first, builder.max_blocks_per_seq, bucket(seqs, first))]
     else:
         shapes = [(t_first, s_first, blocks(longest), 0)]
-    # Decode: a running request's context goes from its prompt + 1 to prompt + max_tokens.
-    running = min(len(prompt_lens), max_num_seqs)
-    shortest = min(prompt_lens) + 1
-    longest = max(p + m for p, m in zip(prompt_lens, max_tokens, strict=True))
+    # Decode: the step that feeds a request's k-th output token back has context prompt + k, for
+    # k from 1 to max_tokens - 1 (the last token is sampled, never fed back): a request asking for
+    # one token decodes never (`vlax generate --max-tokens 1` compiles its first step only).
+    decoding = [(p, m) for p, m in zip(prompt_lens, max_tokens, strict=True) if m >= 2]
+    if not decoding:
+        return shapes
+    running = min(len(decoding), max_num_seqs)
+    shortest = min(p for p, _ in decoding) + 1
+    longest = max(p + m - 1 for p, m in decoding)
     counts: dict[tuple[int, int], list[int]] = {}
     for n in range(1, running + 1):
         key = (bucket(n, builder.token_buckets), bucket(n, builder.seq_buckets))

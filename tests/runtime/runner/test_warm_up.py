@@ -39,6 +39,25 @@ def test_run_shapes_first_step_then_decode_for_every_count_and_context():
     assert run_shapes(b, [], [], max_num_seqs=16, max_num_batched_tokens=2048) == []
 
 
+def test_run_shapes_decode_contexts_end_before_the_last_token():
+    """The last output token is sampled, never fed back: a one-token request (`vlax generate
+    --max-tokens 1`) has no decode step, and the longest decode context is prompt + max_tokens - 1
+    (it used to be counted one further, compiling a bucket no step meets)."""
+    b = _builder()
+    assert run_shapes(b, [5], [1], max_num_seqs=64, max_num_batched_tokens=2048) == [(16, 8, 16, 0)]
+    assert run_shapes(b, [300, 5], [1, 1], max_num_seqs=64, max_num_batched_tokens=2048) == [
+        (512, 8, 24, 0)
+    ]
+    # 250 + 7 - 1 = 256 tokens: 16 blocks, the first block bucket (257 would be bucket 24).
+    assert run_shapes(b, [250], [7], max_num_seqs=64, max_num_batched_tokens=2048) == [
+        (256, 8, 16, 0),
+        (16, 8, 16, 0),
+    ]
+    # Only the requests that decode count: one of two asks for a single token.
+    shapes = run_shapes(b, [300, 5], [1, 4], max_num_seqs=64, max_num_batched_tokens=2048)
+    assert shapes == [(512, 8, 24, 0), (16, 8, 16, 0)]
+
+
 def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     """With the jnp decode path, a decode step's shape is its live-chunk bucket at the full
     table width; the warm-up covers every bucket between the fewest chunks the fewest requests
