@@ -18,12 +18,18 @@ from flax import nnx
 from model.base import ModelOptions, PagedCacheSpec
 from model.batch import ModelBatch
 from model.config import ConfigError, ModelConfig
-from model.layers.embeddings import Embedding, lm_logits
+from model.layers.decoder import DecoderStack, PreNormLayer, head_logits, own_lm_head
 from model.layers.mla import MLAShape, MLAttention, choose_backend, mla_rope
 from model.layers.mlp import GatedMLP
-from model.layers.norms import RMSNorm
 from model.layers.rotary import rotary_cos_sin
-from model.weight_spec import WeightSpec, embedding_spec, head_specs, layer_norm_specs
+from model.weight_spec import (
+    WeightSpec,
+    embedding_spec,
+    gated_mlp_specs,
+    head_specs,
+    layer_norm_specs,
+    past_last_layer,
+)
 
 # HF's DeepseekV3Config default, for checkpoints whose config.json leaves the key out.
 _FIRST_K_DENSE_DEFAULT = 3
@@ -42,7 +48,7 @@ def is_moe_layer(config: ModelConfig, layer_idx: int) -> bool:
     return layer_idx >= first_k_dense(config)
 
 
-class DeepseekDecoderLayer(nnx.Module):
+class DeepseekDecoderLayer(PreNormLayer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -52,15 +58,13 @@ class DeepseekDecoderLayer(nnx.Module):
         expert_parallel: bool = False,
     ):
         dt = cfg.jnp_dtype
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         if is_moe_layer(cfg, layer_idx):
             from model.layers.moe import DeepseekMoE  # only MoE checkpoints need it
 
-            self.mlp = DeepseekMoE(cfg, dt, expert_parallel=expert_parallel)
+            mlp = DeepseekMoE(cfg, dt, expert_parallel=expert_parallel)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dt)
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dt)
+        super().__init__(cfg, attention, mlp)
 
     def attend(self, h, cos, sin, caches: tuple, batch: ModelBatch):
         """(attention output [T, hidden], caches): `caches` holds this layer's entry of every
@@ -70,17 +74,7 @@ class DeepseekDecoderLayer(nnx.Module):
         return out, (latent,)
 
     def __call__(self, x, cos, sin, caches: tuple, batch: ModelBatch):
-        h, caches = self.attend(self.input_layernorm(x), cos, sin, caches, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), caches
-
-
-class DeepseekModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[DeepseekDecoderLayer]):
-        dt = cfg.jnp_dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = nnx.List(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        return self.residual(x, lambda h: self.attend(h, cos, sin, caches, batch))
 
 
 class DeepseekV3ForCausalLM(nnx.Module):
@@ -100,12 +94,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
             )
             for i in range(config.num_hidden_layers)
         ]
-        self.model = DeepseekModel(config, layers)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Embedding(config.vocab_size, config.hidden_size, config.jnp_dtype)
-        )
+        self.model = DecoderStack(config, layers)
+        self.lm_head = own_lm_head(config)
 
     # What V3.2 overrides.
 
@@ -158,8 +148,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
         return tuple(new[i][p] for p in range(self.num_pools) for i in range(n)), self.model.norm(x)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_logits(hidden_rows, head.weight[...])
+        return head_logits(self.model, self.lm_head, hidden_rows)
 
     @classmethod
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
@@ -216,17 +205,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
             from model.layers.moe import moe_weight_specs
 
             return list(moe_weight_specs(ours, hf, c))
-        h, inter = c.hidden_size, c.intermediate_size
-        return [
-            WeightSpec(
-                (*ours, "gate_up_proj", "kernel"),
-                ((f"{hf}.gate_proj.weight", (inter, h)), (f"{hf}.up_proj.weight", (inter, h))),
-                True,
-            ),
-            WeightSpec(
-                (*ours, "down_proj", "kernel"), ((f"{hf}.down_proj.weight", (h, inter)),), True
-            ),
-        ]
+        return gated_mlp_specs(ours, hf, c.hidden_size, c.intermediate_size)
 
     @staticmethod
     def hf_ignored_weight(name: str, c: ModelConfig) -> bool:
@@ -237,10 +216,4 @@ class DeepseekV3ForCausalLM(nnx.Module):
             return True
         if c.tie_word_embeddings and name == "lm_head.weight":
             return True
-        parts = name.split(".")
-        return (
-            len(parts) > 2
-            and parts[:2] == ["model", "layers"]
-            and parts[2].isdigit()
-            and int(parts[2]) >= c.num_hidden_layers
-        )
+        return past_last_layer(name, c.num_hidden_layers)

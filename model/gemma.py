@@ -19,11 +19,12 @@ from model.base import ModelOptions, PagedCacheSpec, paged_kv_spec
 from model.batch import ModelBatch
 from model.config import ModelConfig
 from model.layers.attention import Attention, choose_backend
-from model.layers.embeddings import Embedding, lm_logits
+from model.layers.decoder import DecoderStack, PreNormLayer
+from model.layers.embeddings import lm_logits
 from model.layers.mlp import GatedMLP
 from model.layers.norms import OffsetRMSNorm
 from model.layers.rotary import rotary_cos_sin
-from model.weight_spec import WeightSpec
+from model.weight_spec import WeightSpec, gated_mlp_specs
 
 
 def gemma_backend(config: ModelConfig, options: ModelOptions, *, prefix_lm: bool):
@@ -54,11 +55,10 @@ def gemma_cache_specs(config: ModelConfig, options: ModelOptions) -> tuple[Paged
     )
 
 
-class GemmaDecoderLayer(nnx.Module):
+class GemmaDecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, backend):
         dt = cfg.jnp_dtype
-        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.self_attn = Attention(
+        attention = Attention(
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -70,29 +70,21 @@ class GemmaDecoderLayer(nnx.Module):
             backend=backend,
             dtype=dt,
         )
-        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.mlp = GatedMLP(
+        mlp = GatedMLP(
             cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dt, act=cfg.hidden_act
         )
+        super().__init__(cfg, attention, mlp, norm=OffsetRMSNorm)
 
     def __call__(self, x, cos, sin, kv_cache, batch, prefix_lens):
-        h, kv_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, kv_cache, batch, prefix_lens
-        )
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return self.residual(x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch, prefix_lens))
 
 
-class GemmaTextModel(nnx.Module):
+class GemmaTextModel(DecoderStack):
     """Embeddings, decoder layers and the final norm (HF's GemmaModel)."""
 
     def __init__(self, cfg: ModelConfig, backend):
-        dt = cfg.jnp_dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = nnx.List(
-            [GemmaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)]
-        )
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        layers = [GemmaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, norm=OffsetRMSNorm)
         self.rope = cfg.rope
         self.hidden_size = cfg.hidden_size
 
@@ -137,7 +129,7 @@ def gemma_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
     ]
     for i in range(c.num_hidden_layers):
         layer, at = f"{hf}layers.{i}.", (*ours, "layers", i)
-        attn, mlp = layer + "self_attn.", layer + "mlp."
+        attn = layer + "self_attn."
         qkv = (("q", nq), ("k", nkv), ("v", nkv))
         specs += [
             WeightSpec(
@@ -148,14 +140,7 @@ def gemma_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
             WeightSpec(
                 (*at, "self_attn", "o_proj", "kernel"), ((attn + "o_proj.weight", (h, nq)),), True
             ),
-            WeightSpec(
-                (*at, "mlp", "gate_up_proj", "kernel"),
-                ((mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))),
-                True,
-            ),
-            WeightSpec(
-                (*at, "mlp", "down_proj", "kernel"), ((mlp + "down_proj.weight", (h, inter)),), True
-            ),
+            *gated_mlp_specs((*at, "mlp"), layer + "mlp", h, inter),
         ]
         if c.attention_bias:
             specs += [

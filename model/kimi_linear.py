@@ -30,13 +30,19 @@ from model.base import ModelOptions, PagedCacheSpec, StateCacheSpec
 from model.batch import ModelBatch
 from model.config import ConfigError, ModelConfig
 from model.deepseek import DeepseekV3ForCausalLM
-from model.layers.embeddings import Embedding, lm_logits
+from model.layers.decoder import DecoderStack, PreNormLayer, head_logits, own_lm_head
 from model.layers.kda import KDAShape, KimiDeltaAttention
 from model.layers.mla import MLAShape, MLAttention, choose_backend
 from model.layers.mlp import GatedMLP
-from model.layers.moe import DeepseekMoE, MoeSettings, moe_settings
-from model.layers.norms import RMSNorm
-from model.weight_spec import WeightSpec
+from model.layers.moe import DeepseekMoE, MoeSettings, moe_settings, moe_weight_specs
+from model.weight_spec import (
+    WeightSpec,
+    embedding_spec,
+    gated_mlp_specs,
+    head_specs,
+    layer_norm_specs,
+    past_last_layer,
+)
 from pallas_kernels import kda as kda_ops
 
 KDA, MLA = "linear_attention", "full_attention"
@@ -189,31 +195,15 @@ def _mlp_types(config: ModelConfig, refuse) -> tuple[str, ...]:
     return tuple(DENSE if i < first else SPARSE for i in range(n))
 
 
-class KimiDecoderLayer(nnx.Module):
+class KimiDecoderLayer(PreNormLayer):
     def __init__(self, cfg: ModelConfig, kind: str, attention: nnx.Module, mlp: nnx.Module):
-        dt = cfg.jnp_dtype
         self.kind = kind
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.mlp = mlp
+        super().__init__(cfg, attention, mlp)
 
     def __call__(self, x, entry: tuple, batch: ModelBatch):
-        h = self.input_layernorm(x)
         if self.kind == KDA:
-            h, entry = self.self_attn(h, entry, batch)
-        else:
-            h, entry = self.self_attn(h, None, None, entry, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), entry
-
-
-class KimiLinearModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[KimiDecoderLayer]):
-        dt = cfg.jnp_dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = nnx.List(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+            return self.residual(x, lambda h: self.self_attn(h, entry, batch))
+        return self.residual(x, lambda h: self.self_attn(h, None, None, entry, batch))
 
 
 class KimiLinearForCausalLM(nnx.Module):
@@ -244,12 +234,8 @@ class KimiLinearForCausalLM(nnx.Module):
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=False, dtype=dt)
             layers.append(KimiDecoderLayer(config, kind, attn, mlp))
-        self.model = KimiLinearModel(config, layers)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Embedding(config.vocab_size, config.hidden_size, dt)
-        )
+        self.model = DecoderStack(config, layers)
+        self.lm_head = own_lm_head(config)
         # Where each layer's entry sits in the flat cache value: the MLA latent pool's layers
         # first, then the KDA state's (model/base.py: spec order).
         mla, kda = k.layers_of(MLA), k.layers_of(KDA)
@@ -314,38 +300,28 @@ class KimiLinearForCausalLM(nnx.Module):
         return tuple(new), self.model.norm(x)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_logits(hidden_rows, head.weight[...])
+        return head_logits(self.model, self.lm_head, hidden_rows)
 
     @classmethod
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
         k = kimi_settings(c)
         h = c.hidden_size
-        specs = [
-            WeightSpec(
-                ("model", "embed_tokens", "weight"),
-                (("model.embed_tokens.weight", (c.vocab_size, h)),),
-            )
-        ]
+        specs = [embedding_spec(c.vocab_size, h)]
         for i, kind in enumerate(k.layer_types):
-            ours = ("model", "layers", i)
+            hf, ours = f"model.layers.{i}.", ("model", "layers", i)
             if kind == KDA:
-                specs += _kda_specs(k.kda, f"model.layers.{i}.self_attn.", (*ours, "self_attn"))
+                specs += _kda_specs(k.kda, f"{hf}self_attn.", (*ours, "self_attn"))
             else:
                 specs += DeepseekV3ForCausalLM.attention_weight_specs(c, i)
             if k.mlp_types[i] == SPARSE:
-                specs += _moe_specs(c, k.moe, f"model.layers.{i}.block_sparse_moe.", (*ours, "mlp"))
+                # Kimi's hub layout: block_sparse_moe.{gate, experts.N.w1/w3/w2, shared_experts}.
+                specs += moe_weight_specs(
+                    (*ours, "mlp"), f"{hf}block_sparse_moe", c, k.moe, ("w1", "w3", "w2")
+                )
             else:
-                specs += _dense_specs(c, f"model.layers.{i}.mlp.", (*ours, "mlp"))
-            specs += [
-                WeightSpec((*ours, n, "weight"), ((f"model.layers.{i}.{n}.weight", (h,)),))
-                for n in ("input_layernorm", "post_attention_layernorm")
-            ]
-        specs.append(WeightSpec(("model", "norm", "weight"), (("model.norm.weight", (h,)),)))
-        if not c.tie_word_embeddings:
-            specs.append(
-                WeightSpec(("lm_head", "weight"), (("lm_head.weight", (c.vocab_size, h)),))
-            )
+                specs += gated_mlp_specs((*ours, "mlp"), f"{hf}mlp", h, c.intermediate_size)
+            specs += layer_norm_specs(i, h)
+        specs += head_specs(c.vocab_size, h, c.tie_word_embeddings)
         return tuple(specs)
 
     @classmethod
@@ -366,13 +342,7 @@ class KimiLinearForCausalLM(nnx.Module):
         layer (model.layers.{num_hidden_layers}...), which plain decoding does not run."""
         if c.tie_word_embeddings and name == "lm_head.weight":
             return True
-        parts = name.split(".")
-        return (
-            len(parts) > 2
-            and parts[:2] == ["model", "layers"]
-            and parts[2].isdigit()
-            and int(parts[2]) >= c.num_hidden_layers
-        )
+        return past_last_layer(name, c.num_hidden_layers)
 
 
 def _linear(path: tuple, name: str, out_features: int, in_features: int) -> WeightSpec:
@@ -403,50 +373,4 @@ def _kda_specs(s: KDAShape, hf: str, ours: tuple) -> list[WeightSpec]:
         _linear((*ours, "g_b_proj"), f"{hf}g_b_proj", h * k, k),
         WeightSpec((*ours, "o_norm"), ((f"{hf}o_norm.weight", (k,)),)),
         _linear((*ours, "o_proj"), f"{hf}o_proj", d, h * k),
-    ]
-
-
-def _dense_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
-    h, inter = c.hidden_size, c.intermediate_size
-    return [
-        WeightSpec(
-            (*ours, "gate_up_proj", "kernel"),
-            ((f"{hf}gate_proj.weight", (inter, h)), (f"{hf}up_proj.weight", (inter, h))),
-            True,
-        ),
-        _linear((*ours, "down_proj"), f"{hf}down_proj", h, inter),
-    ]
-
-
-def _moe_specs(c: ModelConfig, s: MoeSettings, hf: str, ours: tuple) -> list[WeightSpec]:
-    """Kimi's hub layout: block_sparse_moe.{gate, experts.N.w1/w2/w3, shared_experts}."""
-    h, e, inter = c.hidden_size, s.n_routed_experts, s.moe_intermediate_size
-    shared = s.n_shared_experts * inter
-    experts = [f"{hf}experts.{n}." for n in range(e)]
-    return [
-        WeightSpec((*ours, "router_kernel"), ((f"{hf}gate.weight", (e, h)),), True),
-        WeightSpec(
-            (*ours, "score_correction_bias"), ((f"{hf}gate.e_score_correction_bias", (e,)),)
-        ),  # fmt: skip
-        WeightSpec(
-            (*ours, "experts_gate_up"),
-            tuple((f"{x}{w}.weight", (inter, h)) for x in experts for w in ("w1", "w3")),
-            True,
-            stacked=e,
-        ),
-        WeightSpec(
-            (*ours, "experts_down"),
-            tuple((f"{x}w2.weight", (h, inter)) for x in experts),
-            True,
-            stacked=e,
-        ),
-        WeightSpec(
-            (*ours, "shared_experts", "gate_up_proj", "kernel"),
-            (
-                (f"{hf}shared_experts.gate_proj.weight", (shared, h)),
-                (f"{hf}shared_experts.up_proj.weight", (shared, h)),
-            ),  # fmt: skip
-            True,
-        ),
-        _linear((*ours, "shared_experts", "down_proj"), f"{hf}shared_experts.down_proj", h, shared),
     ]

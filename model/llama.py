@@ -15,16 +15,21 @@ from model.base import ModelOptions, PagedCacheSpec, paged_kv_spec
 from model.batch import ModelBatch
 from model.config import ModelConfig
 from model.layers.attention import Attention, choose_backend
-from model.layers.embeddings import Embedding, lm_logits
+from model.layers.decoder import DecoderStack, PreNormLayer, head_logits, own_lm_head
 from model.layers.mlp import GatedMLP
-from model.layers.norms import RMSNorm
 from model.layers.rotary import rotary_cos_sin
-from model.weight_spec import WeightSpec, embedding_spec, head_specs, layer_norm_specs
+from model.weight_spec import (
+    WeightSpec,
+    embedding_spec,
+    gated_mlp_specs,
+    head_specs,
+    layer_norm_specs,
+)
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v): [blocks, block, Hkv, D]
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -36,8 +41,7 @@ class DecoderLayer(nnx.Module):
         attention_backend,
     ):
         dt = cfg.jnp_dtype
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.self_attn = Attention(
+        attention = Attention(
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -49,23 +53,17 @@ class DecoderLayer(nnx.Module):
             backend=attention_backend,
             dtype=dt,
         )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dt)
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dt)
+        super().__init__(cfg, attention, mlp)
 
     def __call__(self, x, cos, sin, kv_cache, batch):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return self.residual(x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch))
 
 
-class LlamaModel(nnx.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, **attn_style):
-        dt = cfg.jnp_dtype
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, **attn_style) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        layers = [DecoderLayer(cfg, i, **attn_style) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers)
         self.rope = cfg.rope
 
 
@@ -91,11 +89,7 @@ class LlamaForCausalLM(nnx.Module):
             qk_norm=self.qk_norm(config),
             attention_backend=attention_backend,
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Embedding(config.vocab_size, config.hidden_size, config.jnp_dtype)
-        )
+        self.lm_head = own_lm_head(config)
 
     # Per-family attention layout, from the configuration.
     @staticmethod
@@ -137,8 +131,7 @@ class LlamaForCausalLM(nnx.Module):
         return tuple(new_caches), self.model.norm(x)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_logits(hidden_rows, head.weight[...])
+        return head_logits(self.model, self.lm_head, hidden_rows)
 
     @classmethod
     def hf_weight_specs(cls, c: ModelConfig) -> tuple[WeightSpec, ...]:
@@ -184,20 +177,7 @@ class LlamaForCausalLM(nnx.Module):
                         )
                     )
             mlp = hf + "mlp."
-            specs.append(
-                WeightSpec(
-                    (*ours, "mlp", "gate_up_proj", "kernel"),
-                    ((mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))),
-                    True,
-                )
-            )
-            specs.append(
-                WeightSpec(
-                    (*ours, "mlp", "down_proj", "kernel"),
-                    ((mlp + "down_proj.weight", (h, inter)),),
-                    True,
-                )
-            )
+            specs += gated_mlp_specs((*ours, "mlp"), hf + "mlp", h, inter)
             if c.mlp_bias:
                 specs.append(
                     WeightSpec(

@@ -48,3 +48,38 @@ def head_specs(vocab_size: int, hidden: int, tied: bool) -> list[WeightSpec]:
     if not tied:
         specs.append(WeightSpec(("lm_head", "weight"), (("lm_head.weight", (vocab_size, hidden)),)))
     return specs
+
+
+def gated_mlp_specs(
+    module_path: tuple, hf_prefix: str, hidden: int, inter: int
+) -> list[WeightSpec]:
+    """A GatedMLP without biases from HF's gate_proj, up_proj and down_proj under `hf_prefix`
+    (e.g. "model.layers.0.mlp"); gate and up fused as the module keeps them."""
+    return [
+        WeightSpec(
+            (*module_path, "gate_up_proj", "kernel"),
+            (
+                (f"{hf_prefix}.gate_proj.weight", (inter, hidden)),
+                (f"{hf_prefix}.up_proj.weight", (inter, hidden)),
+            ),
+            True,
+        ),
+        WeightSpec(
+            (*module_path, "down_proj", "kernel"),
+            ((f"{hf_prefix}.down_proj.weight", (hidden, inter)),),
+            True,
+        ),
+    ]
+
+
+def past_last_layer(name: str, num_hidden_layers: int) -> bool:
+    """A tensor of a layer after the last decoder layer (model.layers.{num_hidden_layers}...):
+    the multi-token-prediction layers DeepSeek and Kimi checkpoints store, which plain decoding
+    does not run."""
+    parts = name.split(".")
+    return (
+        len(parts) > 2
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and int(parts[2]) >= num_hidden_layers
+    )

@@ -5,6 +5,7 @@ from benchmarks.mutants.mutant import Mutant
 MODEL = ("tests/model",)
 
 LLAMA = "model/llama.py"
+DECODER = "model/layers/decoder.py"
 NORM = "model/layers/norms.py"
 ROPE = "model/layers/rotary.py"
 ATTN = "model/layers/attention.py"
@@ -15,9 +16,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- model
     Mutant(
         "model_attention_reads_post_attention_norm",
-        LLAMA,
-        "h, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)",
-        "h, kv_cache = self.self_attn(self.post_attention_layernorm(x), cos, sin, kv_cache, batch)",
+        DECODER,
+        "h, entry = attend(self.input_layernorm(x))",
+        "h, entry = attend(self.post_attention_layernorm(x))",
         MODEL,
     ),
     Mutant(

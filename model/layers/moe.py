@@ -245,15 +245,21 @@ def _gated_mlp(x, gate_up, down):
 
 
 def moe_weight_specs(
-    module_path: tuple, hf_prefix: str, config: ModelConfig
+    module_path: tuple,
+    hf_prefix: str,
+    config: ModelConfig,
+    settings: MoeSettings | None = None,
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
 ) -> tuple[WeightSpec, ...]:
     """Where each DeepseekMoE parameter comes from on disk (per-expert tensors, HF's hub layout):
     `module_path` is the module's path in the model's nnx state, `hf_prefix` e.g.
-    "model.layers.3.mlp"."""
-    s = moe_settings(config)
+    "model.layers.3.mlp". A family whose checkpoints name the routed experts' gate, up and down
+    projections otherwise (Kimi-Linear's w1, w3, w2) passes `expert_names`, and its `settings`."""
+    s = moe_settings(config) if settings is None else settings
     h, e, inter = config.hidden_size, s.n_routed_experts, s.moe_intermediate_size
     shared = s.n_shared_experts * inter
     p = hf_prefix
+    gate, up, down = expert_names
     expert = [f"{p}.experts.{n}." for n in range(e)]
     return (
         WeightSpec((*module_path, "router_kernel"), ((f"{p}.gate.weight", (e, h)),), True),
@@ -262,15 +268,13 @@ def moe_weight_specs(
         ),
         WeightSpec(
             (*module_path, "experts_gate_up"),
-            tuple(
-                (f"{x}{name}_proj.weight", (inter, h)) for x in expert for name in ("gate", "up")
-            ),
+            tuple((f"{x}{name}.weight", (inter, h)) for x in expert for name in (gate, up)),
             True,
             stacked=e,
         ),
         WeightSpec(
             (*module_path, "experts_down"),
-            tuple((f"{x}down_proj.weight", (h, inter)) for x in expert),
+            tuple((f"{x}{down}.weight", (h, inter)) for x in expert),
             True,
             stacked=e,
         ),
