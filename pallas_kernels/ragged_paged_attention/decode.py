@@ -21,8 +21,9 @@ Two XLA:CPU costs shape the layout, both measured (64 sequences, contexts 32..10
 
 Semantics are the reference's (reference.py): the fast product is exact whenever the output is all
 finite (a zero in the padded query row or a masked key's probability only multiplies a non-finite
-cache value into a non-finite output), and otherwise the reference computes the step, keys and
-values a token does not attend never changing its output (pallas_kernels/masked_values.py).
+cache value into a non-finite output), and otherwise an exact product per kv head on the same
+gathered chunks computes the step, keys and values a token does not attend never changing its
+output (pallas_kernels/masked_values.py).
 """
 
 from __future__ import annotations
@@ -89,13 +90,19 @@ def ragged_paged_decode(
     whose live chunks (`live_chunks`) number at most `num_chunks`. A step breaking either promise
     gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
     here: a sequence's one query is its last position, which already sees its whole context."""
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    step = _Chunks(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    fast, broken = live_chunk_attention(*args, num_chunks=num_chunks, **options)
+    fast = step.output(*_fast_product(step, **options))
+    # The exact product reads only the gathered chunks: a branch taking the caches themselves
+    # made XLA:CPU copy both caches of every layer into it each step (+30% on the attention).
     return jax.lax.cond(
-        jnp.all(jnp.isfinite(fast)) | broken,
-        lambda: fast,
-        lambda: reference.ragged_paged_attention(*args, **options),
+        jnp.all(jnp.isfinite(fast)) | step.broken,
+        lambda chunk_keys, chunk_values: fast,
+        lambda chunk_keys, chunk_values: step.output(
+            *_exact_product(step, chunk_keys, chunk_values, **options)
+        ),
+        step.k,
+        step.v,
     )
 
 
@@ -115,56 +122,107 @@ def live_chunk_attention(
 ):
     """(output, broken): the fast product alone, equal to the reference's whenever it is all
     finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
-    t, hq, d = q.shape
-    nbk, bs, hkv, _ = k_cache.shape
-    max_seqs, max_blocks = block_tables.shape
-    per_chunk = chunk_blocks(bs)
-    keys = per_chunk * bs
+    step = _Chunks(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return step.output(*_fast_product(step, **options)), step.broken
 
-    present = jnp.arange(max_seqs) < num_seqs
-    q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    lens = jnp.where(present, kv_lens, 0)
-    counts = (lens + keys - 1) // keys
-    ends = jnp.cumsum(counts)
-    ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1).astype(jnp.int32)
-    live = ids < ends[-1]
-    chunk = jnp.where(live, ids - (ends[seq] - counts[seq]), 0)
-    cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
-    blocks = block_tables[seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
 
-    k = _gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
-    v = _gather_rows(v_cache, blocks).astype(jnp.float32)
-    q_seq = q[jnp.clip(cu_q_lens[:-1], 0, t - 1)].astype(jnp.float32)  # [S, Hq, D]
-    q_rows = _spread_heads(q_seq, hkv)[seq]  # [N, Hq, Hkv * D]
+class _Chunks:
+    """One step's live chunks: which sequence and part of its context each holds, their keys and
+    values gathered ([N, L, Hkv * D], f32), and how per-chunk results become the output."""
 
-    k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
-    kv_len = lens[seq][:, None]
-    mask = live[:, None] & (k_pos < kv_len)
-    if sliding_window is not None:
-        mask &= (kv_len - 1) - k_pos < sliding_window
-    mask = mask[:, None, :]  # [N, 1, L]: the same keys for every head
+    def __init__(self, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, n):
+        t, hq, d = q.shape
+        _, bs, hkv, _ = k_cache.shape
+        max_seqs, max_blocks = block_tables.shape
+        per_chunk = chunk_blocks(bs)
+        keys = per_chunk * bs
+        present = jnp.arange(max_seqs) < num_seqs
+        q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+        lens = jnp.where(present, kv_lens, 0)
+        counts = (lens + keys - 1) // keys
+        ends = jnp.cumsum(counts)
+        ids = jnp.arange(n, dtype=jnp.int32)
+        seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1)
+        self.seq = seq.astype(jnp.int32)
+        self.live = ids < ends[-1]
+        chunk = jnp.where(self.live, ids - (ends[self.seq] - counts[self.seq]), 0)
+        cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
+        blocks = block_tables[self.seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
+        self.k = _gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
+        self.v = _gather_rows(v_cache, blocks).astype(jnp.float32)
+        self.q_seq = q[jnp.clip(cu_q_lens[:-1], 0, t - 1)].astype(jnp.float32)  # [S, Hq, D]
+        self.k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
+        self.kv_len = lens[self.seq][:, None]
+        self.hkv, self.max_seqs, self.t, self.dtype = hkv, max_seqs, t, q.dtype
+        self.dest = jnp.where(present & (q_lens > 0), cu_q_lens[:-1], t)
+        self.broken = jnp.any(q_lens > 1) | (ends[-1] > n)
 
-    s = jnp.einsum("nqe,nle->nql", q_rows, k, precision=reference._precision()) * sm_scale
+    def mask(self, sliding_window):
+        """bool[N, L]: the keys each chunk's query attends."""
+        mask = self.live[:, None] & (self.k_pos < self.kv_len)
+        if sliding_window is not None:
+            mask &= (self.kv_len - 1) - self.k_pos < sliding_window
+        return mask
+
+    def output(self, o, m, total):
+        """Per chunk o [N, Hq, D] (unnormalised), max m and sum total [N, Hq] -> [T, Hq, D]."""
+
+        def combine(x):
+            return jax.ops.segment_sum(
+                x, self.seq, num_segments=self.max_seqs, indices_are_sorted=True
+            )
+
+        # Padding chunks read whatever blocks their clipped table entries name: kept out.
+        o = jnp.where(self.live[:, None, None], o, 0.0)
+        m_seq = jax.ops.segment_max(
+            m, self.seq, num_segments=self.max_seqs, indices_are_sorted=True
+        )
+        scale = jnp.exp(m - jnp.where(jnp.isfinite(m_seq), m_seq, 0.0)[self.seq])  # 0: empty
+        den = combine(total * scale)
+        out = combine(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]
+        _, hq, d = out.shape
+        fast = jnp.zeros((self.t, hq, d), self.dtype)
+        fast = fast.at[self.dest].set(out.astype(self.dtype), mode="drop")
+        return jnp.where(self.broken, jnp.nan, fast)
+
+
+def _softmax_parts(s, mask, sm_scale, soft_cap):
+    """Scores s [..., L] (mask broadcasting to them) -> (p, max, sum) of one chunk's keys."""
+    s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1)  # [N, Hq]; -inf for a chunk with nothing attended
+    m = jnp.max(s, axis=-1)  # -inf for a chunk with nothing attended
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
-    total = jnp.sum(p, axis=-1)
-    o = _own_heads(jnp.einsum("nql,nle->nqe", p, v, precision=reference._precision()), hkv)
-    # Padding chunks read whatever blocks their clipped table entries name: kept out entirely.
-    o = jnp.where(live[:, None, None], o, 0.0)
+    return p, m, jnp.sum(p, axis=-1)
 
-    def combine(x):
-        return jax.ops.segment_sum(x, seq, num_segments=max_seqs, indices_are_sorted=True)
 
-    m_seq = jax.ops.segment_max(m, seq, num_segments=max_seqs, indices_are_sorted=True)
-    scale = jnp.exp(m - jnp.where(jnp.isfinite(m_seq), m_seq, 0.0)[seq])  # 0 for empty chunks
-    den = combine(total * scale)
-    out = combine(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]  # [S, Hq, D]
+def _fast_product(step, *, sm_scale, sliding_window, soft_cap):
+    """Both dots over the chunks' layout as gathered (module docstring); exact when finite."""
+    q_rows = _spread_heads(step.q_seq, step.hkv)[step.seq]  # [N, Hq, Hkv * D]
+    s = jnp.einsum("nqe,nle->nql", q_rows, step.k, precision=reference._precision())
+    mask = step.mask(sliding_window)[:, None, :]  # the same keys for every head
+    p, m, total = _softmax_parts(s, mask, sm_scale, soft_cap)
+    o = jnp.einsum("nql,nle->nqe", p, step.v, precision=reference._precision())
+    return _own_heads(o, step.hkv), m, total
 
-    dest = jnp.where(present & (q_lens > 0), cu_q_lens[:-1], t)
-    fast = jnp.zeros((t, hq, d), q.dtype).at[dest].set(out.astype(q.dtype), mode="drop")
-    broken = jnp.any(q_lens > 1) | (ends[-1] > num_chunks)
-    return jnp.where(broken, jnp.nan, fast), broken
+
+def _exact_product(step, k, v, *, sm_scale, sliding_window, soft_cap):
+    """Per kv head, with non-finite value rows entering as zeros and NaN for the heads that
+    attend one (pallas_kernels/masked_values.py): the reference's rule on the chunks."""
+    n, length, e = k.shape
+    hkv = step.hkv
+    d = e // hkv
+    hq = step.q_seq.shape[1]
+    qh = step.q_seq[step.seq].reshape(n, hkv, hq // hkv, d)
+    k, v = k.reshape(n, length, hkv, d), v.reshape(n, length, hkv, d)
+    s = jnp.einsum("nkgd,nlkd->nkgl", qh, k, precision=reference._precision())
+    mask = step.mask(sliding_window)  # [N, L]
+    p, m, total = _softmax_parts(s, mask[:, None, None, :], sm_scale, soft_cap)
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, L, Hkv]
+    v = jnp.where(bad[..., None], 0.0, v)
+    o = jnp.einsum("nkgl,nlkd->nkgd", p, v, precision=reference._precision())
+    hit = jnp.any(mask[:, :, None] & bad, axis=1)  # [N, Hkv]
+    o = jnp.where(hit[:, :, None, None], jnp.nan, o)
+    return o.reshape(n, hq, d), m.reshape(n, hq), total.reshape(n, hq)

@@ -83,7 +83,7 @@ def test_dispatcher_serves_decode_steps_with_prefix_lens():
 
 def test_nan_in_keys_no_token_attends_changes_nothing():
     """Unused pages, the tails of last pages and padding query rows hold NaN: the fast product
-    turns non-finite and the reference computes the step; a value a token attends that holds
+    turns non-finite and the exact per-head product on the chunks serves; a value a token attends that holds
     NaN makes that token NaN, as in the reference."""
     rng = np.random.default_rng(2)
     for kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES[:2]:
