@@ -76,8 +76,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kda_decode_slot_zero_is_padding",
         KDA_REF,
-        "live = state_indices >= 0",
-        "live = state_indices > 0",
+        "live = state_indices[r] >= 0",
+        "live = state_indices[r] > 0",
         KDA,
     ),
     Mutant(

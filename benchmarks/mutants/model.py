@@ -94,8 +94,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "model_gate_and_up_swapped",
         MLP,
-        "return self.down_proj(ACTIVATIONS[self.act](gate) * up)",
-        "return self.down_proj(ACTIVATIONS[self.act](up) * gate)",
+        "gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())",
+        "up, gate = split_fused(self.gate_up_proj(x), (n, n), group_size())",
         MODEL,
     ),
     Mutant(
