@@ -40,7 +40,11 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _last_json(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
+    """The child's last JSON line: Gloo's C++ side may print its own lines to stdout after it."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise AssertionError(f"no JSON line in the child's stdout:\n{stdout}")
+    return json.loads(lines[-1])
 
 
 @pytest.fixture(scope="module")
