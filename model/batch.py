@@ -38,3 +38,6 @@ class ModelBatch:
     # token, bounding the step's live KV chunks, so the jnp attention path gathers those only
     # (pallas_kernels/ragged_paged_attention/decode.py); 0 otherwise.
     decode_chunks: int = struct.field(pytree_node=False, default=0)
+    # Static: > 0 on another step of a causal model, bounding its live (query tile, KV chunk)
+    # pairs, so the jnp attention path attends those only (ragged_paged_attention/tiles.py).
+    tile_chunks: int = struct.field(pytree_node=False, default=0)

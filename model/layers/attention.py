@@ -126,6 +126,7 @@ def _attend(
         sliding_window=sliding_window,
         prefix_lens=prefix_lens,
         decode_chunks=batch.decode_chunks,
+        tile_chunks=batch.tile_chunks,
         impl=impl,
     )
     return out, k_cache, v_cache

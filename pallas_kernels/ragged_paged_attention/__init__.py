@@ -3,14 +3,16 @@
 `ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
 Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
 reason logged. On the jnp path, a decode step whose caller counted its live chunks (`decode_chunks`)
-attends only those (decode.py). A model decides once, with `select` on its layers' shapes when it
-is built, and passes that `Choice` as `impl`; the dispatcher then only confirms it serves the call.
+attends only those (decode.py), and another causal step whose caller counted its live (query tile,
+KV chunk) pairs (`tile_chunks`) attends only those (tiles.py). A model decides once, with `select`
+on its layers' shapes when it is built, and passes that `Choice` as `impl`; the dispatcher then only
+confirms it serves the call.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import backends
-from pallas_kernels.ragged_paged_attention import decode, kernel, reference
+from pallas_kernels.ragged_paged_attention import decode, kernel, reference, tiles
 from pallas_kernels.ragged_paged_attention.cache_write import write_kv
 from pallas_kernels.ragged_paged_attention.heuristics import MAX_ROWS
 from pallas_kernels.ragged_paged_attention.work_items import pow2_ceil
@@ -92,6 +94,7 @@ def ragged_paged_attention(
     num_kv_splits: int | str = "auto",
     prefix_lens=None,
     decode_chunks: int = 0,
+    tile_chunks: int = 0,
     impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
@@ -104,6 +107,9 @@ def ragged_paged_attention(
     only implementations declaring the "prefix_lm" feature serve it. `decode_chunks` > 0 promises
     a step of at most one query token per sequence whose live chunks (`decode.live_chunks`) number
     at most that; the jnp path then gathers only those (decode.py), other paths ignore it.
+    `tile_chunks` > 0 promises a step whose live (query tile, KV chunk) pairs (`tiles.tile_chunks`)
+    number at most that; the jnp path then attends only those (tiles.py) unless `prefix_lens` is
+    given (a prefix widens a tile's reach past what that count sees), other paths ignore it.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:
@@ -137,11 +143,19 @@ def ragged_paged_attention(
     if choice.impl == "pallas":
         kwargs["num_kv_splits"] = num_kv_splits
         kwargs["interpret"] = choice.interpret if interpret is None else interpret
-    if not isinstance(decode_chunks, int) or isinstance(decode_chunks, bool) or decode_chunks < 0:
-        raise ValueError(f"{OP}: decode_chunks must be an int >= 0, got {decode_chunks!r}")
+    for name, count in (("decode_chunks", decode_chunks), ("tile_chunks", tile_chunks)):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"{OP}: {name} must be an int >= 0, got {count!r}")
+    if decode_chunks and tile_chunks:
+        raise ValueError(
+            f"{OP}: a step is a decode step (decode_chunks={decode_chunks}) or not "
+            f"(tile_chunks={tile_chunks}), not both"
+        )
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if choice.impl == "reference" and decode_chunks:
         return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **kwargs)
+    if choice.impl == "reference" and tile_chunks and prefix_lens is None:
+        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **kwargs)
     return choice.fn(*args, **kwargs)
 
 

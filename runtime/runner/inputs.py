@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention import tiles
+
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 256
@@ -84,6 +86,9 @@ class HostBatch:
     # ModelBatch.decode_chunks: the bucketed live KV chunks of a one-token-per-sequence step
     # (0: another step, or a builder without decode_chunk_blocks).
     decode_chunks: int = 0
+    # ModelBatch.tile_chunks: the bucketed live (query tile, KV chunk) pairs of another step
+    # (0: a decode step, or a builder without tiled_steps).
+    tile_chunks: int = 0
 
 
 class BatchBuilder:
@@ -96,6 +101,7 @@ class BatchBuilder:
         max_num_batched_tokens: int,
         num_state_slots: int = 0,
         decode_chunk_blocks: int = 0,
+        tiled_steps: bool = False,
     ) -> None:
         self.block_size = block_size
         # 0: the model keeps no recurrent state. Otherwise slots 0..n-1 are the core's and n is
@@ -120,13 +126,27 @@ class BatchBuilder:
         # place of a table-width bucket: its table is always max_blocks_per_seq wide, as its
         # attention cost follows the live chunks and not the width.
         self.decode_chunk_blocks = decode_chunk_blocks
-        self._seen_shapes: set[tuple[int, int, int, int]] = set()
+        # Whether every other step (not one token per sequence) of the jnp path counts its live
+        # (query tile, KV chunk) pairs (tiles.tile_chunks), bucketed per token and sequence bucket
+        # (tile_chunk_buckets), in place of a table-width bucket, as decode steps count chunks.
+        # Off for a prefix LM: a prefix reaches past what the count sees (the dispatcher would
+        # take the reference anyway, and the counts would only add shapes).
+        self.tiled_steps = tiled_steps and decode_chunk_blocks > 0
+        self._seen_shapes: set[tuple[int, int, int, int, int]] = set()
 
     def decode_chunk_buckets(self, s_pad: int) -> tuple[int, ...]:
         """Live-chunk buckets of a one-token-per-sequence step padded to s_pad sequences:
         s_pad x (1, 1.5, 2, 3, 4, ...) up to every sequence at max_model_len."""
         per_seq = -(-self.max_blocks_per_seq // self.decode_chunk_blocks)
         return half_step_buckets(s_pad, s_pad * per_seq)
+
+    def tile_chunk_buckets(self, t_pad: int, s_pad: int) -> tuple[int, ...]:
+        """Pair buckets of a tiled step padded to t_pad tokens and s_pad sequences: from the
+        fewest a step of more than t_pad / 2 tokens can hold to the most (every tile at the
+        widest table), in 1.5x steps."""
+        lo = max(1, t_pad // (2 * tiles.TILE_QUERIES))
+        hi = tiles.max_tile_chunks(t_pad, s_pad, self.max_blocks_per_seq, self.block_size)
+        return half_step_buckets(lo, max(lo, hi))
 
     def chunks_of(self, context: int) -> int:
         """KV chunks of one sequence's context of this many tokens on the decode path."""
@@ -154,8 +174,11 @@ class BatchBuilder:
             and num_tokens == len(order) > 0
             and all(num_scheduled_tokens[r] == 1 for r in order)
         )
+        tiled = self.tiled_steps and not decode and num_tokens > 0
         mb_pad = (
-            self.max_blocks_per_seq if decode else bucket(-(-longest // bs), self.block_buckets)
+            self.max_blocks_per_seq
+            if decode or tiled
+            else bucket(-(-longest // bs), self.block_buckets)
         )
 
         # Built as Python lists and converted once per array: per-row numpy calls cost more
@@ -212,14 +235,20 @@ class BatchBuilder:
         # anything from one step to the next.
         state_reset = np.ones(s_pad, np.bool_)
         state_reset[:num_seqs] = reset_rows
-        chunks = 0
+        chunks = pairs = 0
         if decode:
             live = sum(self.chunks_of(n) for n in kv_lens)
             chunks = bucket(live, self.decode_chunk_buckets(s_pad))
-        shape = (t_pad, s_pad, mb_pad, chunks)
+        if tiled:
+            q_lens = [num_scheduled_tokens[r] for r in order]
+            live = tiles.tile_chunks(zip(q_lens, kv_lens, strict=True), bs)
+            pairs = bucket(live, self.tile_chunk_buckets(t_pad, s_pad))
+        shape = (t_pad, s_pad, mb_pad, chunks, pairs)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
-            log.info("batch bucket in use: tokens=%d seqs=%d blocks/seq=%d chunks=%d", *shape)
+            log.info(
+                "batch bucket in use: tokens=%d seqs=%d blocks/seq=%d chunks=%d pairs=%d", *shape
+            )
 
         arrays = dict(
             token_ids=padded(tokens, t_pad),
@@ -234,7 +263,13 @@ class BatchBuilder:
             state_reset=state_reset,
         )
         return HostBatch(
-            arrays, tuple(order), tuple(sampling), prompt_rows, num_tokens, decode_chunks=chunks
+            arrays,
+            tuple(order),
+            tuple(sampling),
+            prompt_rows,
+            num_tokens,
+            decode_chunks=chunks,
+            tile_chunks=pairs,
         )
 
     def _state_rows(

@@ -211,6 +211,9 @@ class ModelRunner:
             f"{self.num_kv_blocks} blocks are the scheduler's bookkeeping only)",
         )
         log.info("memory per device: %s", parallel.memory_report(self.params, self.kv_caches))
+        # The image models (PaliGemma, ColPali) pass each sequence a bidirectional prefix, which
+        # the jnp path's tiles do not serve: their steps keep table-width buckets.
+        spec = image_spec(model_config.architecture, model_config.hf_config, model_config.path)
         self.builder = BatchBuilder(
             block_size=block_size,
             max_model_len=max_model_len,
@@ -218,6 +221,7 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             num_state_slots=self.num_state_slots,
             decode_chunk_blocks=_decode_chunk_blocks(self.backends, block_size),
+            tiled_steps=spec is None,
         )
         self.rows: dict[str, RequestRow] = {}
         # The newest dispatched step not yet read back, and its sampled ids on the device (padded
@@ -225,7 +229,6 @@ class ModelRunner:
         self._unread: StepInFlight | None = None
         self._last_sampled = np.zeros(self.builder.seq_buckets[-1], np.int32)
         # A vision-language model's encoder outputs and their placeholder rows (None: text only).
-        spec = image_spec(model_config.architecture, model_config.hf_config, model_config.path)
         self.encoder_path = (
             None
             if spec is None
@@ -351,6 +354,7 @@ class ModelRunner:
         batch = ModelBatch(
             **host_batch.arrays,
             decode_chunks=host_batch.decode_chunks,
+            tile_chunks=host_batch.tile_chunks,
             **self._multimodal(scheduler_output, host_batch),
         )
         last_sampled = self._last_sampled

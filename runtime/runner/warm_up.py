@@ -1,14 +1,16 @@
 """Compiling a run's batch shapes up front, before its first step.
 
-Every distinct (tokens, seqs, blocks/seq) bucket is one compilation of the whole step
-(inputs.py); met one by one, each stalls the step that meets it. Compiled here first, behind a
-progress bar, they cost the same time but the user sees what it is spent on, and with JAX's
-persistent compilation cache (vlax/compilation_cache.py) a second run loads them from disk.
+Every distinct (tokens, seqs, blocks/seq, decode chunks, tile pairs) bucket is one compilation of
+the whole step (inputs.py); met one by one, each stalls the step that meets it. Compiled here
+first, behind a progress bar, they cost the same time but the user sees what it is spent on, and
+with JAX's persistent compilation cache (vlax/compilation_cache.py) a second run loads them from
+disk.
 
 Which shapes: a documented subset of what max_num_seqs / max_num_batched_tokens / max_model_len
 allow (all of it is hundreds of shapes), the ones a batch of prompts meets for sure:
 - the first step: FCFS admits prompts in order until the token budget or max_num_seqs is spent
-  (the last one cut by chunked prefill);
+  (the last one cut by chunked prefill), with nothing cached (BatchBuilder.tiled_steps: its
+  live (query tile, KV chunk) pair bucket at the full table width);
 - every decode step: one token per running request, for every count of running requests from
   all of them down to one, at every context bucket from the shortest prompt to the longest
   prompt plus its max_tokens - 1, the last token being sampled, never fed back (with the jnp
@@ -26,13 +28,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from model.batch import ModelBatch
+from pallas_kernels.ragged_paged_attention import tiles
 from runtime.runner.inputs import BatchBuilder, bucket
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
 
 log = logging.getLogger(__name__)
 
-# (tokens, seqs, blocks per seq, live decode chunks or 0), as BatchBuilder.build pads them
-Shape = tuple[int, int, int, int]
+# (tokens, seqs, blocks per seq, live decode chunks or 0, live tile pairs or 0), as
+# BatchBuilder.build pads them
+Shape = tuple[int, int, int, int, int]
 
 
 def run_shapes(
@@ -53,21 +57,25 @@ def run_shapes(
         return bucket(min(-(-n // bs), builder.max_blocks_per_seq), builder.block_buckets)
 
     # The first step: prompts in order while the budget lasts.
-    budget, seqs, longest = max_num_batched_tokens, 0, 0
+    budget, takes = max_num_batched_tokens, []
     for n in prompt_lens[:max_num_seqs]:
         if budget == 0:
             break
-        take = min(n, budget)
-        budget -= take
-        seqs += 1
-        longest = max(longest, take)
-    taken = max_num_batched_tokens - budget
+        takes.append(min(n, budget))
+        budget -= takes[-1]
+    taken, seqs = sum(takes), len(takes)
     t_first, s_first = bucket(taken, builder.token_buckets), bucket(seqs, builder.seq_buckets)
+    wide = builder.max_blocks_per_seq
     if builder.decode_chunk_blocks and taken == seqs:  # every first prompt is one token
         first = builder.decode_chunk_buckets(s_first)
-        shapes = [(t_first, s_first, builder.max_blocks_per_seq, bucket(seqs, first))]
+        shapes = [(t_first, s_first, wide, bucket(seqs, first), 0)]
+    elif builder.tiled_steps:
+        pairs = tiles.tile_chunks(((n, n) for n in takes), bs)
+        shapes = [
+            (t_first, s_first, wide, 0, bucket(pairs, builder.tile_chunk_buckets(t_first, s_first)))
+        ]
     else:
-        shapes = [(t_first, s_first, blocks(longest), 0)]
+        shapes = [(t_first, s_first, blocks(max(takes)), 0, 0)]
     # Decode: the step that feeds a request's k-th output token back has context prompt + k, for
     # k from 1 to max_tokens - 1 (the last token is sampled, never fed back): a request asking for
     # one token decodes never (`vlax generate --max-tokens 1` compiles its first step only).
@@ -86,11 +94,10 @@ def run_shapes(
             chunk_buckets = builder.decode_chunk_buckets(s)
             lo = bucket(min(ns) * builder.chunks_of(shortest), chunk_buckets)
             hi = bucket(max(ns) * builder.chunks_of(longest), chunk_buckets)
-            wide = builder.max_blocks_per_seq
-            met = [(t, s, wide, c) for c in chunk_buckets if lo <= c <= hi]
+            met = [(t, s, wide, c, 0) for c in chunk_buckets if lo <= c <= hi]
         else:
             lo, hi = blocks(shortest), blocks(longest)
-            met = [(t, s, b, 0) for b in builder.block_buckets if lo <= b <= hi]
+            met = [(t, s, b, 0, 0) for b in builder.block_buckets if lo <= b <= hi]
         shapes.extend(shape for shape in met if shape not in shapes)
     return shapes
 
@@ -98,8 +105,8 @@ def run_shapes(
 def padding_batch(builder: BatchBuilder, shape: Shape) -> dict[str, np.ndarray]:
     """A batch of `shape` whose every row is padding: the arrays BatchBuilder.build makes for
     a step of that shape, same names, dtypes and shapes (only the shapes matter to compile;
-    the shape's decode chunks go to ModelBatch beside them)."""
-    t, s, mb, _ = shape
+    the shape's decode chunks and tile pairs go to ModelBatch beside them)."""
+    t, s, mb, _, _ = shape
     return dict(
         token_ids=np.zeros(t, np.int32),
         positions=np.zeros(t, np.int32),
@@ -157,7 +164,9 @@ def precompile(
         return False
     k = logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size)
     for shape in shapes:
-        batch = ModelBatch(**padding_batch(runner.builder, shape), decode_chunks=shape[3])
+        batch = ModelBatch(
+            **padding_batch(runner.builder, shape), decode_chunks=shape[3], tile_chunks=shape[4]
+        )
         metadata = _metadata(runner, sampling_params, shape[1])
         _step.lower(
             runner.graphdef,
@@ -169,6 +178,6 @@ def precompile(
             num_logprobs=k,
             want_hidden=False,
         ).compile()
-        log.info("compiled batch shape: tokens=%d seqs=%d blocks/seq=%d chunks=%d", *shape)
+        log.info("compiled batch shape: tokens=%d seqs=%d blocks/seq=%d chunks=%d pairs=%d", *shape)
         done(shape)
     return True

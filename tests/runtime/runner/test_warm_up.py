@@ -4,6 +4,7 @@ padding batch against the builder's own, and a run that compiles nothing after t
 import jax
 import pytest
 
+from pallas_kernels.ragged_paged_attention import tiles
 from runtime.core.request import SamplingParams
 from runtime.runner.inputs import BatchBuilder, RequestRow
 from runtime.runner.warm_up import padding_batch, run_shapes
@@ -20,22 +21,22 @@ def test_run_shapes_first_step_then_decode_for_every_count_and_context():
     b = _builder()
     # One short prompt: the first step and its decode share the smallest buckets.
     assert run_shapes(b, [5], [32], max_num_seqs=64, max_num_batched_tokens=2048) == [
-        (16, 8, 16, 0)
+        (16, 8, 16, 0, 0)
     ]
     # 20 prompts of 100 tokens: one 2000-token first step over 20 sequences; decode with 20
     # down to 1 running (seq buckets 32, 16, 8), contexts 101..350 tokens (block buckets 16, 24).
     shapes = run_shapes(b, [100] * 20, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
-    assert shapes[0] == (2048, 32, 16, 0)
+    assert shapes[0] == (2048, 32, 16, 0, 0)
     assert shapes[1:] == [
-        (32, 32, 16, 0), (32, 32, 24, 0), (16, 16, 16, 0), (16, 16, 24, 0), (16, 8, 16, 0),
-        (16, 8, 24, 0),
+        (32, 32, 16, 0, 0), (32, 32, 24, 0, 0), (16, 16, 16, 0, 0), (16, 16, 24, 0, 0), (16, 8, 16, 0, 0),
+        (16, 8, 24, 0, 0),
     ]  # fmt: skip
     # The budget cuts the first step: 3 prompts of 1000 take 2048 tokens over 3 sequences.
     first = run_shapes(b, [1000] * 3, [8] * 3, max_num_seqs=64, max_num_batched_tokens=2048)[0]
-    assert first == (2048, 8, 64, 0)
+    assert first == (2048, 8, 64, 0, 0)
     # max_num_seqs caps the first step's sequences and the decode counts.
     shapes = run_shapes(b, [10] * 40, [4] * 40, max_num_seqs=16, max_num_batched_tokens=2048)
-    assert shapes == [(256, 16, 16, 0), (16, 16, 16, 0), (16, 8, 16, 0)]
+    assert shapes == [(256, 16, 16, 0, 0), (16, 16, 16, 0, 0), (16, 8, 16, 0, 0)]
     assert run_shapes(b, [], [], max_num_seqs=16, max_num_batched_tokens=2048) == []
 
 
@@ -44,18 +45,20 @@ def test_run_shapes_decode_contexts_end_before_the_last_token():
     --max-tokens 1`) has no decode step, and the longest decode context is prompt + max_tokens - 1
     (it used to be counted one further, compiling a bucket no step meets)."""
     b = _builder()
-    assert run_shapes(b, [5], [1], max_num_seqs=64, max_num_batched_tokens=2048) == [(16, 8, 16, 0)]
+    assert run_shapes(b, [5], [1], max_num_seqs=64, max_num_batched_tokens=2048) == [
+        (16, 8, 16, 0, 0)
+    ]
     assert run_shapes(b, [300, 5], [1, 1], max_num_seqs=64, max_num_batched_tokens=2048) == [
-        (512, 8, 24, 0)
+        (512, 8, 24, 0, 0)
     ]
     # 250 + 7 - 1 = 256 tokens: 16 blocks, the first block bucket (257 would be bucket 24).
     assert run_shapes(b, [250], [7], max_num_seqs=64, max_num_batched_tokens=2048) == [
-        (256, 8, 16, 0),
-        (16, 8, 16, 0),
+        (256, 8, 16, 0, 0),
+        (16, 8, 16, 0, 0),
     ]
     # Only the requests that decode count: one of two asks for a single token.
     shapes = run_shapes(b, [300, 5], [1, 4], max_num_seqs=64, max_num_batched_tokens=2048)
-    assert shapes == [(512, 8, 24, 0), (16, 8, 16, 0)]
+    assert shapes == [(512, 8, 24, 0, 0), (16, 8, 16, 0, 0)]
 
 
 def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
@@ -65,12 +68,12 @@ def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     b = _builder(decode_chunk_blocks=8)  # 128-key chunks; 2048 tokens: 16 chunks per sequence
     assert b.decode_chunk_buckets(8) == (8, 12, 16, 24, 32, 48, 64, 96, 128)
     shapes = run_shapes(b, [100] * 20, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
-    assert shapes[0] == (2048, 32, 16, 0)  # the prefill keeps its table-width bucket
+    assert shapes[0] == (2048, 32, 16, 0, 0)  # the prefill keeps its table-width bucket
     # 17..20 requests of 101..350 tokens: 17 x 1 to 20 x 3 chunks; 9..16: 9 to 48; 1..8: 1 to 24.
     assert shapes[1:] == [
-        (32, 32, 128, 32), (32, 32, 128, 48), (32, 32, 128, 64),
-        (16, 16, 128, 16), (16, 16, 128, 24), (16, 16, 128, 32), (16, 16, 128, 48),
-        (16, 8, 128, 8), (16, 8, 128, 12), (16, 8, 128, 16), (16, 8, 128, 24),
+        (32, 32, 128, 32, 0), (32, 32, 128, 48, 0), (32, 32, 128, 64, 0),
+        (16, 16, 128, 16, 0), (16, 16, 128, 24, 0), (16, 16, 128, 32, 0), (16, 16, 128, 48, 0),
+        (16, 8, 128, 8, 0), (16, 8, 128, 12, 0), (16, 8, 128, 16, 0), (16, 8, 128, 24, 0),
     ]  # fmt: skip
     # Every decode step a run of them meets is one of these shapes.
     rows = {
@@ -80,7 +83,29 @@ def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     built = b.build(rows, {r: 1 for r in rows}, list(rows))
     assert built.arrays["block_tables"].shape == (8, 128)
     assert built.decode_chunks == 12  # 1 + 3 + 2 + 1 + 3 = 10 chunks
-    assert (16, 8, 128, 12) in shapes
+    assert (16, 8, 128, 12, 0) in shapes
+
+
+def test_run_shapes_with_tiles_give_the_first_steps_pair_bucket():
+    """With the jnp path's tiles, a step of multi-token rows is its live (query tile, KV chunk)
+    pair bucket at the full table width: the warm-up's first step is the one build() makes."""
+    b = _builder(decode_chunk_blocks=8, tiled_steps=True)
+    prompts = [100] * 20
+    shapes = run_shapes(b, prompts, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
+    rows = {
+        f"r{i}": RequestRow(f"r{i}", [0] * n, list(range(1, 2 + n // 16)), n, None)
+        for i, n in enumerate(prompts)
+    }
+    built = b.build(rows, {r: 100 for r in rows}, list(rows))
+    pairs = tiles.tile_chunks([(100, 100)] * 20, 16)
+    assert built.tile_chunks >= pairs and built.decode_chunks == 0
+    assert built.tile_chunks in b.tile_chunk_buckets(2048, 32)
+    assert built.arrays["block_tables"].shape == (32, 128)
+    assert shapes[0] == (2048, 32, 128, 0, built.tile_chunks)
+    # Decode steps keep their live-chunk buckets, and count no pairs.
+    assert all(s[3] > 0 and s[4] == 0 for s in shapes[1:])
+    # Without decode chunks (another kernel) there are no tiles either.
+    assert not _builder(tiled_steps=True).tiled_steps
 
 
 def test_padding_batch_has_the_builders_arrays():
@@ -99,11 +124,11 @@ def test_padding_batch_has_the_builders_arrays():
             state_slots={"a": 0, "b": 1} if slots else {},
             reset_state_slots=(0, 1) if slots else (),
         )
-        shape = (32, 8, 16, 0)
+        shape = (32, 8, 16, 0, 0)
         assert (built.arrays["token_ids"].shape[0], *built.arrays["block_tables"].shape) == shape[
             :3
         ]
-        assert built.decode_chunks == shape[3]
+        assert built.decode_chunks == shape[3] and built.tile_chunks == shape[4]
         pad = padding_batch(b, shape)
         assert pad.keys() == built.arrays.keys()
         for name, array in built.arrays.items():

@@ -1,0 +1,148 @@
+"""The tiled jnp path for steps with multi-token rows (pallas_kernels/ragged_paged_attention/
+tiles.py) against the jnp reference and the per-token numpy loop: prefill chunks continuing a
+cached context, decode rows in the same step, padding rows and tokens, GQA groups, block sizes
+below, at and above a chunk, sliding windows, soft caps, NaN in keys no token attends, bf16, the
+host count against the device's, and the dispatcher's routing (prefix_lens goes to the reference)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rpa_cases import make_batch, numpy_attention
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference, tiles
+
+# q_lens, kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
+CASES = [
+    ([70, 1, 33, 1], [70, 300, 160, 5], 4, 2, 16, 16, None, None, 2, 3),
+    ([1, 45, 2], [130, 45, 257], 6, 3, 32, 8, 20, 30.0, 1, 0),
+    ([129, 3], [129, 131], 4, 4, 8, 32, None, 5.0, 0, 5),
+    ([64, 31, 1], [200, 31, 7], 8, 1, 16, 256, 100, None, 3, 1),
+    ([5], [5], 2, 1, 16, 4, None, None, 0, 0),
+]
+
+
+def _jnp(b):
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _batch(rng, q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=True):
+    return make_batch(
+        rng,
+        q_lens,
+        kv_lens,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        block_size=bs,
+        max_blocks=-(-max(kv_lens) // bs) + 2,
+        pad_seqs=pad_seqs,
+        pad_tokens=pad_tokens,
+        poison=poison,
+    )
+
+
+def _tiles(b, n, **options):
+    return jax.jit(lambda b: tiles.ragged_paged_tiles(**b, num_pairs=n, **options))(_jnp(b))
+
+
+def test_tiles_match_reference_and_per_token_loop():
+    """Exact pair count and a larger bucket; poisoned pages, page tails and padding rows (NaN)
+    change nothing, as no token attends them."""
+    rng = np.random.default_rng(0)
+    for i, (ql, kl, hq, hkv, d, bs, sw, sc, ps, pt) in enumerate(CASES):
+        b = _batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
+        need = tiles.tile_chunks(zip(ql, kl, strict=True), bs)
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        want = numpy_attention(b, **options)
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        out = np.asarray(_tiles(b, need + 7 * (i % 2), **options))
+        real = sum(ql)
+        assert np.isfinite(out[:real]).all(), (ql, kl, bs)
+        np.testing.assert_allclose(out[:real], want[:real], atol=2e-5, rtol=2e-5, err_msg=f"{i}")
+        np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=f"{i}")
+        assert (out[real:] == 0).all()
+
+
+def test_nan_in_an_attended_value_reaches_that_token_only():
+    """A NaN in a value the first sequence's last token attends (its own key) makes that
+    token NaN, exactly where the reference does, and no other token."""
+    rng = np.random.default_rng(2)
+    for ql, kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES[:2]:
+        b = _batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
+        v = b["v_cache"].copy()
+        last = kl[0] - 1
+        v[b["block_tables"][0, last // bs], last % bs, 0, 0] = np.nan
+        b["v_cache"] = v
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        out = np.asarray(_tiles(b, tiles.tile_chunks(zip(ql, kl, strict=True), bs), **options))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(ref)))
+        assert np.isnan(out[ql[0] - 1]).any()
+        assert np.isfinite(out[: ql[0] - 1]).all() and np.isfinite(out[ql[0] : sum(ql)]).all()
+
+
+def test_bf16_close_to_f32():
+    rng = np.random.default_rng(3)
+    ql, kl = [40, 1, 9], [40, 130, 20]
+    b = _batch(rng, ql, kl, 4, 2, 32, 8, 1, 0, poison=False)
+    want = numpy_attention(b, sm_scale=0.2)
+    bb = _jnp(b)
+    for name in ("q", "k_cache", "v_cache"):
+        bb[name] = bb[name].astype(jnp.bfloat16)
+    n = tiles.tile_chunks(zip(ql, kl, strict=True), 8)
+    out = jax.jit(lambda b: tiles.ragged_paged_tiles(**b, num_pairs=n, sm_scale=0.2))(bb)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_too_few_pairs_give_nan_not_a_truncated_answer():
+    """The host's count is what the device enumerates: one pair fewer breaks the promise."""
+    rng = np.random.default_rng(4)
+    for ql, kl, *_, bs, _sw, _sc, _ps, _pt in (CASES[0], CASES[2]):
+        b = _batch(rng, ql, kl, 4, 2, 16, bs, 0, 0, poison=False)
+        need = tiles.tile_chunks(zip(ql, kl, strict=True), bs)
+        assert np.isfinite(np.asarray(_tiles(b, need, sm_scale=0.25))).all()
+        assert np.isnan(np.asarray(_tiles(b, need - 1, sm_scale=0.25))).all()
+
+
+def test_host_count_and_its_bound():
+    """A tile of TILE_QUERIES queries reaches the chunk of its last query; the bound of a step's
+    padded shapes covers every tile at the widest table."""
+    c = tiles.TILE_QUERIES
+    keys = 128  # block size 16: 8 blocks a chunk
+    assert tiles.tile_chunks([(1, 1)], 16) == 1
+    assert tiles.tile_chunks([(1, keys + 1)], 16) == 2
+    # One prompt of 2c tokens after keys cached: tiles end at keys + c - 1 and keys + 2c - 1.
+    assert tiles.tile_chunks([(2 * c, keys + 2 * c)], 16) == 2 + 2
+    assert tiles.tile_chunks([], 16) == 0
+    assert tiles.max_tile_chunks(2048, 64, 64, 16) == (2048 // c + 64) * 8
+
+
+def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference():
+    rng = np.random.default_rng(5)
+    ql, kl = [30, 1, 12], [50, 90, 12]
+    b = _batch(rng, ql, kl, 8, 2, 16, 8, 2, 2)
+    n = tiles.tile_chunks(zip(ql, kl, strict=True), 8)
+    prefix = jnp.asarray([40, 3, 12, 0, 0], jnp.int32)
+
+    @jax.jit
+    def calls(b):
+        plain = ragged_paged_attention(**b, sm_scale=0.25)
+        tiled = ragged_paged_attention(**b, sm_scale=0.25, tile_chunks=n)
+        short = ragged_paged_attention(**b, sm_scale=0.25, tile_chunks=n - 1)
+        prefix_ref = ragged_paged_attention(**b, sm_scale=0.25, prefix_lens=prefix)
+        prefix_tiled = ragged_paged_attention(
+            **b, sm_scale=0.25, prefix_lens=prefix, tile_chunks=n - 1
+        )
+        return plain, tiled, short, prefix_ref, prefix_tiled
+
+    plain, tiled, short, prefix_ref, prefix_tiled = calls(_jnp(b))
+    np.testing.assert_allclose(tiled, plain, atol=2e-6, rtol=2e-5)
+    assert np.isnan(np.asarray(short)).all()  # the tiles served it (and saw the short count)
+    np.testing.assert_array_equal(np.asarray(prefix_tiled), np.asarray(prefix_ref))
+    try:
+        ragged_paged_attention(**_jnp(b), sm_scale=0.25, tile_chunks=n, decode_chunks=3)
+    except ValueError as err:
+        assert "not both" in str(err)
+    else:
+        raise AssertionError("decode_chunks with tile_chunks was accepted")
