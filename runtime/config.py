@@ -55,7 +55,7 @@ class EngineConfig:
     encoder_cache_size: int | None = None
     encoder_compute_budget: int | None = None
     # vLLM's async scheduling: step N+1 is scheduled and dispatched while step N runs on the
-    # device (runtime/engine.py). None: the engine's default (runtime/engine.py
+    # device (runtime/engine.py). None: the engine's default (runtime/engine_setup.py
     # ASYNC_BY_DEFAULT), off for pooling models and with kv_offload; True where those refuse it
     # is an error.
     async_scheduling: bool | None = None

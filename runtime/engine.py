@@ -29,8 +29,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from model import base
-from model.config import ModelConfig
 from runtime.config import ConfigError, EngineConfig
 from runtime.core import scheduler as sched
 from runtime.core.kv import kv_cache
@@ -39,31 +37,22 @@ from runtime.core.kv_jobs.scheduler_hooks import enable_kv_jobs, has_pending_kv_
 from runtime.core.outputs import SchedulerOutput
 from runtime.core.request import FinishReason, PoolingParams, Request, SamplingParams
 from runtime.core.scheduling.scheduler_config import SchedulerConfig
+from runtime.engine_setup import resolve
 from runtime.input_processor import InputProcessor, ProcessedRequest
 from runtime.multimodal.image_prompt import ImagePrompt
-from runtime.multimodal.prefix_lm import prefix_lm_engine_config
 from runtime.output_processor import OutputProcessor
 from runtime.pooling_input_processor import PoolingInputProcessor
 from runtime.pooling_output_processor import PoolingOutputProcessor
-from runtime.pooling_schedule import pooling_engine_config, whole_prompts
+from runtime.pooling_schedule import whole_prompts
 from runtime.request_output import RequestOutput
 from runtime.runner.errors import RequestFailed, RunnerLost
 from runtime.runner.in_flight import StepInFlight
-from runtime.runner.model_runner import ModelRunner, model_cache_specs, model_options
+from runtime.runner.model_runner import ModelRunner
 from runtime.runner.pooling_runner import PoolingRunner
 from runtime.runner_choice import generate_on_pooling, pooling_on_generate
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# What async_scheduling=None (the default) means where nothing refuses it. Off: on the CPU the
-# "device" is the host's own cores, so the step's host work has no idle device time to hide in;
-# measured interleaved on the 2-core dev machine (vlax side of offline_throughput, float32, 16
-# requests, loaded) sync and async were within the load's noise of each other. vLLM turns it on
-# by default for its GPUs, where the host work is otherwise a gap between device steps; measure
-# there before turning it on for an accelerator.
-ASYNC_BY_DEFAULT = False
 
 
 class EngineDeadError(RuntimeError):
@@ -104,38 +93,13 @@ class Engine:
                 f"record_steps must be None (keep every step), 0 (keep none) or a positive int "
                 f"(keep the last N), got {record_steps!r}"
             )
-        model_config = ModelConfig.from_pretrained(
-            config.model, dtype=config.dtype, runner=config.runner
-        )
-        # Runner, pooling and attention type, each with the attribute that decided it: once.
-        log.info("%s: %s", config.model, model_config.describe_routing())
+        setup = resolve(config)
+        config, model_config = setup.config, setup.model_config
+        max_model_len, max_batched = setup.max_model_len, setup.max_num_batched_tokens
+        enable_prefix_caching = setup.enable_prefix_caching
         self.pooling = model_config.runner_type == "pooling"
-        if self.pooling:
-            config = pooling_engine_config(config, model_config)
-        else:
-            config = prefix_lm_engine_config(config, model_config)
         self.config = config
-        max_model_len = config.max_model_len or model_config.max_model_len
-        if max_model_len > model_config.max_model_len:
-            cap = f"max_position_embeddings={model_config.max_position_embeddings}"
-            if model_config.max_seq_length is not None:
-                cap = (
-                    f"max_model_len={model_config.max_model_len} ({cap}, sentence-transformers "
-                    f"max_seq_length={model_config.max_seq_length})"
-                )
-            raise ConfigError(f"max_model_len={max_model_len} exceeds the checkpoint's {cap}")
-        max_batched = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if config.enable_chunked_prefill
-            else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        )
-        if not config.enable_chunked_prefill and max_batched < max_model_len:
-            raise ConfigError(
-                f"without chunked prefill max_num_batched_tokens={max_batched} must be at least "
-                f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
-            )
-        enable_prefix_caching = self._check_state_specs(config, model_config)
-        self.async_scheduling = self._async_scheduling(config, model_config)
+        self.async_scheduling = setup.async_scheduling
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
@@ -203,57 +167,6 @@ class Engine:
         self._arrival = itertools.count()
         # The failure that ended the engine, if one did.
         self._dead: BaseException | None = None
-
-    @staticmethod
-    def _check_state_specs(config: EngineConfig, model_config: ModelConfig) -> bool:
-        """For a model that keeps per-request recurrent state (state cache specs): refuse KV
-        offload, and turn prefix caching off with its reason logged. Returns whether prefix
-        caching is on. Decided from the family's cache specs, before any weight is loaded."""
-        options = model_options(model_config, config.block_size, config.attention_backend)
-        states = base.state_specs(model_cache_specs(model_config, options))
-        if not states:
-            return config.enable_prefix_caching
-        pools = ", ".join(s.name for s in states)
-        if config.kv_offload is not None:
-            raise ConfigError(
-                f"{config.model}: {model_config.architecture} keeps per-request recurrent state "
-                f"({pools}) in state slots, and KV offload moves only KV blocks: a request loading "
-                "its prefix from the store would start without the state of those tokens. "
-                f"kv_offload={config.kv_offload!r} is refused for this model; run it without "
-                "kv_offload"
-            )
-        if config.enable_prefix_caching:
-            log.info(
-                "prefix caching is off for %s: its recurrent state (%s) is not checkpointed at "
-                "block boundaries, so a prefix hit would skip tokens the state needs",
-                model_config.architecture,
-                pools,
-            )
-        return False
-
-    @staticmethod
-    def _async_scheduling(config: EngineConfig, model_config: ModelConfig) -> bool:
-        """Whether steps overlap (async scheduling). None decides: on (ASYNC_BY_DEFAULT) unless
-        something below refuses it; True with such a thing is refused by name."""
-        refusal = None
-        if model_config.runner_type == "pooling":
-            refusal = (
-                f"{model_config.architecture} is served as a pooling model: a pooling request is "
-                "one prefill step that samples nothing, so no step's tokens feed the next"
-            )
-        elif config.kv_offload is not None:
-            refusal = (
-                "kv_offload's store and load jobs read and write the KV cache between steps, "
-                "which async scheduling leaves on the device"
-            )
-        if config.async_scheduling is None:
-            return refusal is None and ASYNC_BY_DEFAULT
-        if config.async_scheduling and refusal is not None:
-            raise ConfigError(
-                f"async_scheduling=True is not supported here: {refusal}; run with "
-                "async_scheduling=False"
-            )
-        return config.async_scheduling
 
     def _make_offloader(self, config: EngineConfig):
         """The KV offloader over the store `kv_offload` names (built here, closed with the
