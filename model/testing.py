@@ -180,6 +180,16 @@ def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_greedy_logprobs(model, prompt: Sequence[int], max_new_tokens: int, k: int = 5):
+    """HF's greedy new tokens and, per position, its top-`k` {token: logprob} (from one full
+    forward over prompt + tokens): the HF side of `check_logprobs_close`."""
+    tokens = hf_greedy(model, prompt, max_new_tokens)
+    logits = hf_logits(model, list(prompt) + tokens)[len(prompt) - 1 : -1]
+    lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    top = np.argsort(-lp, axis=-1)[:, :k]
+    return tokens, [{int(t): float(lp[i, t]) for t in top[i]} for i in range(len(tokens))]
+
+
 def check_logprobs_close(ours, theirs, atol: float) -> None:
     """vLLM's rule for greedy outputs [(token ids, [{token: logprob} per position])]: where the
     ids diverge, each side's token must be in the other's top-k, and the comparison stops there;

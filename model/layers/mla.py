@@ -168,6 +168,9 @@ def _dense_attend(q, cache, batch: ModelBatch, *, sm_scale, impl, interpret) -> 
         batch.cu_q_lens,
         batch.num_seqs,
         sm_scale=sm_scale,
+        # HF's MLA attends with q/k and v head dims that differ, which torch's sdpa serves by its
+        # math path, in f32: no bf16 rounding of the probabilities (rounding.py).
+        round_probabilities=False,
         impl=impl,
         interpret=interpret,
     )

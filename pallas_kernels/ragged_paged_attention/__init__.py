@@ -95,6 +95,7 @@ def ragged_paged_attention(
     prefix_lens=None,
     decode_chunks: int = 0,
     tile_chunks: int = 0,
+    round_probabilities: bool = True,
     impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
@@ -110,6 +111,9 @@ def ragged_paged_attention(
     `tile_chunks` > 0 promises a step whose live (query tile, KV chunk) pairs (`tiles.tile_chunks`)
     number at most that; the jnp path then attends only those (tiles.py) unless `prefix_lens` is
     given (a prefix widens a tile's reach past what that count sees), other paths ignore it.
+    `round_probabilities`: on the jnp path, bf16 queries' probabilities are rounded where HF's
+    attention rounds them through torch's flash kernel (rounding.py); False keeps them f32, as
+    HF's math path does (MLA: q/k and v head dims differ there), through the reference.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:
@@ -152,6 +156,8 @@ def ragged_paged_attention(
             f"(tile_chunks={tile_chunks}), not both"
         )
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    if choice.impl == "reference" and not round_probabilities:
+        return reference.ragged_paged_attention(*args, round_probabilities=False, **kwargs)
     if choice.impl == "reference" and decode_chunks:
         return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **kwargs)
     if choice.impl == "reference" and tile_chunks and prefix_lens is None:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bitcast import from_bits, to_bits
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import reference, rounding
 
 CHUNK_KEYS = 128
 
@@ -155,6 +155,9 @@ class _Chunks:
         self.k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
         self.kv_len = lens[self.seq][:, None]
         self.hkv, self.max_seqs, self.t, self.dtype = hkv, max_seqs, t, q.dtype
+        self.rounding = rounding.for_pieces(
+            q.dtype, self.k_pos, self.seq, max_seqs, max_blocks * bs
+        )
         self.dest = jnp.where(present & (q_lens > 0), cu_q_lens[:-1], t)
         self.broken = jnp.any(q_lens > 1) | (ends[-1] > n)
 
@@ -187,12 +190,15 @@ class _Chunks:
         return jnp.where(self.broken, jnp.nan, fast)
 
 
-def _softmax_parts(s, mask, sm_scale, soft_cap):
-    """Scores s [..., L] (mask broadcasting to them) -> (p, max, sum) of one chunk's keys."""
+def _softmax_parts(s, mask, sm_scale, soft_cap, rounded=None):
+    """Scores s [..., L] (mask broadcasting to them) -> (p, max, sum) of one chunk's keys;
+    `rounded` (bf16 queries: a rounding.Rounding) rounds p where HF's attention does."""
     s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask, s, -jnp.inf)
+    if rounded is not None:
+        return rounded.parts(s, mask)
     m = jnp.max(s, axis=-1)  # -inf for a chunk with nothing attended
     p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
     return p, m, jnp.sum(p, axis=-1)
@@ -203,7 +209,7 @@ def _fast_product(step, *, sm_scale, sliding_window, soft_cap):
     q_rows = _spread_heads(step.q_seq, step.hkv)[step.seq]  # [N, Hq, Hkv * D]
     s = jnp.einsum("nqe,nle->nql", q_rows, step.k, precision=reference._precision())
     mask = step.mask(sliding_window)[:, None, :]  # the same keys for every head
-    p, m, total = _softmax_parts(s, mask, sm_scale, soft_cap)
+    p, m, total = _softmax_parts(s, mask, sm_scale, soft_cap, step.rounding)
     o = jnp.einsum("nql,nle->nqe", p, step.v, precision=reference._precision())
     return _own_heads(o, step.hkv), m, total
 
@@ -219,7 +225,7 @@ def _exact_product(step, k, v, *, sm_scale, sliding_window, soft_cap):
     k, v = k.reshape(n, length, hkv, d), v.reshape(n, length, hkv, d)
     s = jnp.einsum("nkgd,nlkd->nkgl", qh, k, precision=reference._precision())
     mask = step.mask(sliding_window)  # [N, L]
-    p, m, total = _softmax_parts(s, mask[:, None, None, :], sm_scale, soft_cap)
+    p, m, total = _softmax_parts(s, mask[:, None, None, :], sm_scale, soft_cap, step.rounding)
     bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, L, Hkv]
     v = jnp.where(bad[..., None], 0.0, v)
     o = jnp.einsum("nkgl,nlkd->nkgd", p, v, precision=reference._precision())

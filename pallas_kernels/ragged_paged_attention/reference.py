@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bitcast import from_bits, to_bits
+from pallas_kernels.ragged_paged_attention import rounding
 from pallas_kernels.ragged_paged_attention.work_items import (
     pow2_ceil,
     query_positions,
@@ -54,6 +55,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     prefix_lens=None,
+    round_probabilities: bool = True,
 ):
     """q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; output [T, Hq, D] in q's dtype.
 
@@ -64,6 +66,8 @@ def ragged_paged_attention(
     Tokens past cu_q_lens[num_seqs] produce zeros. A key a token does not attend never changes its
     output, whatever the cache holds there; a token that attends a value holding NaN or inf gets
     NaN (pallas_kernels/masked_values.py).
+    Queries narrower than f32 have their probabilities rounded as HF's flash kernel rounds them
+    (rounding.py) unless `round_probabilities` is False (kept f32, as HF's math path).
     """
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -105,10 +109,17 @@ def ragged_paged_attention(
         s = soft_cap * jnp.tanh(s / soft_cap)
     m4 = mask[:, None, None, :, :]
     s = jnp.where(m4, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(m4, jnp.exp(s - m), 0.0)
-    den = jnp.sum(p, axis=-1, keepdims=True)
+    if round_probabilities and rounding.rounds(q.dtype):
+        # bf16: the probabilities rounded where HF's rounds them (rounding.py), then normalised.
+        k_pos = jnp.broadcast_to(k_pos[None, :], (w, ctx))
+        hf = rounding.Rounding(k_pos, jnp.arange(w), w, ctx, q.dtype)
+        p, _, den = hf.parts(s, m4)
+        den = den[..., None]
+    else:
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(m4, jnp.exp(s - m), 0.0)
+        den = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(den > 0, den, 1.0)
     # Keys a token does not attend (stale pages past the context, keys before its window or past
     # its causal diagonal) have p = 0, but 0 * NaN is not 0. The plain product is exact whenever

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import decode, reference
+from pallas_kernels.ragged_paged_attention import decode, reference, rounding
 from pallas_kernels.ragged_paged_attention.work_items import (
     query_positions,
     work_item_count,
@@ -122,6 +122,9 @@ class _Pairs:
         self.k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
         self.kv_len = kv_lens[seq][:, None]
         self.hkv, self.num_tiles, self.t, self.dtype = hkv, num_tiles, t, q.dtype
+        self.rounding = rounding.for_pieces(
+            q.dtype, self.k_pos, self.tile, num_tiles, max_blocks * bs
+        )
         self.dest = jnp.where(row_ok, rows, t).reshape(-1)
         self.broken = ends[-1] > n
 
@@ -175,7 +178,7 @@ def _product(step, k, v, *, finite_only, sm_scale, sliding_window, soft_cap):
         precision=reference._precision(),
     ).reshape(n, hkv, g, c, length)
     mask = step.mask(sliding_window)  # [N, C, L]
-    p, m, total = decode._softmax_parts(s, mask[:, None, None], sm_scale, soft_cap)
+    p, m, total = decode._softmax_parts(s, mask[:, None, None], sm_scale, soft_cap, step.rounding)
     if finite_only:
         bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, Hkv, L]
         v = jnp.where(bad[..., None], 0.0, v)
