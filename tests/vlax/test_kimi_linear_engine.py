@@ -87,7 +87,7 @@ def _generate(llm, prompts):
 def test_batches_chunked_prefill_and_preemption_match_hf(kimi, logger_messages):
     path, prompts, reference = kimi
     with (
-        logger_messages("runtime.engine") as engine_log,
+        logger_messages("runtime.engine_setup") as engine_log,
         logger_messages("runtime.runner.model_runner") as runner_log,
     ):
         chunked = LLM(path, **ENGINE, max_num_batched_tokens=7)
