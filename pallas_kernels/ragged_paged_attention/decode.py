@@ -48,12 +48,39 @@ def live_chunks(kv_lens, block_size: int) -> int:
     return sum(-(-n // keys) for n in kv_lens)
 
 
-def _gather_rows(cache, blocks):
+def gather_rows(cache, blocks):
     """cache [num_blocks, bs, Hkv, D], blocks int32[N, P] -> [N, P * bs, Hkv * D] (cache dtype)."""
     nb, bs, hkv, d = cache.shape
     n, p = blocks.shape
     rows = to_bits(cache).reshape(nb, bs * hkv * d)[blocks]
     return from_bits(rows, cache.dtype).reshape(n, p * bs, hkv * d)
+
+
+def lay_out(counts, n: int):
+    """Pieces laid end to end over `n` static slots, owner i holding counts[i] of them (int32[O]):
+    per slot its owner, its index among the owner's pieces and whether it holds one (slots past
+    the last piece are padding: owner clipped to O - 1, index 0), and the number of pieces."""
+    ends = jnp.cumsum(counts)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), counts.shape[0] - 1)
+    owner = owner.astype(jnp.int32)
+    live = ids < ends[-1]
+    index = jnp.where(live, ids - (ends[owner] - counts[owner]), 0)
+    return owner, index, live, ends[-1]
+
+
+def combine(o, m, total, owner, num_owners: int):
+    """Each owner's pieces' softmax parts -> its normalised output: per piece o [N, ..., D]
+    (unnormalised, padding pieces zeroed), max m and sum total [N, ...], pieces sorted by owner,
+    rescaled to their owner's max as flash-decoding combines its KV splits -> [O, ..., D]."""
+
+    def per_owner(x, reduce=jax.ops.segment_sum):
+        return reduce(x, owner, num_segments=num_owners, indices_are_sorted=True)
+
+    m_owner = per_owner(m, jax.ops.segment_max)
+    scale = jnp.exp(m - jnp.where(jnp.isfinite(m_owner), m_owner, 0.0)[owner])  # 0: empty
+    den = per_owner(total * scale)
+    return per_owner(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def _spread_heads(q, hkv):
@@ -140,17 +167,11 @@ class _Chunks:
         present = jnp.arange(max_seqs) < num_seqs
         q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
         lens = jnp.where(present, kv_lens, 0)
-        counts = (lens + keys - 1) // keys
-        ends = jnp.cumsum(counts)
-        ids = jnp.arange(n, dtype=jnp.int32)
-        seq = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), max_seqs - 1)
-        self.seq = seq.astype(jnp.int32)
-        self.live = ids < ends[-1]
-        chunk = jnp.where(self.live, ids - (ends[self.seq] - counts[self.seq]), 0)
+        self.seq, chunk, self.live, count = lay_out((lens + keys - 1) // keys, n)
         cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
         blocks = block_tables[self.seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
-        self.k = _gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
-        self.v = _gather_rows(v_cache, blocks).astype(jnp.float32)
+        self.k = gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
+        self.v = gather_rows(v_cache, blocks).astype(jnp.float32)
         self.q_seq = q[jnp.clip(cu_q_lens[:-1], 0, t - 1)].astype(jnp.float32)  # [S, Hq, D]
         self.k_pos = chunk[:, None] * keys + jnp.arange(keys)[None, :]  # [N, L]
         self.kv_len = lens[self.seq][:, None]
@@ -159,7 +180,7 @@ class _Chunks:
             q.dtype, self.k_pos, self.seq, max_seqs, max_blocks * bs
         )
         self.dest = jnp.where(present & (q_lens > 0), cu_q_lens[:-1], t)
-        self.broken = jnp.any(q_lens > 1) | (ends[-1] > n)
+        self.broken = jnp.any(q_lens > 1) | (count > n)
 
     def mask(self, sliding_window):
         """bool[N, L]: the keys each chunk's query attends."""
@@ -170,27 +191,16 @@ class _Chunks:
 
     def output(self, o, m, total):
         """Per chunk o [N, Hq, D] (unnormalised), max m and sum total [N, Hq] -> [T, Hq, D]."""
-
-        def combine(x):
-            return jax.ops.segment_sum(
-                x, self.seq, num_segments=self.max_seqs, indices_are_sorted=True
-            )
-
         # Padding chunks read whatever blocks their clipped table entries name: kept out.
         o = jnp.where(self.live[:, None, None], o, 0.0)
-        m_seq = jax.ops.segment_max(
-            m, self.seq, num_segments=self.max_seqs, indices_are_sorted=True
-        )
-        scale = jnp.exp(m - jnp.where(jnp.isfinite(m_seq), m_seq, 0.0)[self.seq])  # 0: empty
-        den = combine(total * scale)
-        out = combine(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]
+        out = combine(o, m, total, self.seq, self.max_seqs)
         _, hq, d = out.shape
         fast = jnp.zeros((self.t, hq, d), self.dtype)
         fast = fast.at[self.dest].set(out.astype(self.dtype), mode="drop")
         return jnp.where(self.broken, jnp.nan, fast)
 
 
-def _softmax_parts(s, mask, sm_scale, soft_cap, rounded=None):
+def softmax_parts(s, mask, sm_scale, soft_cap, rounded=None):
     """Scores s [..., L] (mask broadcasting to them) -> (p, max, sum) of one chunk's keys;
     `rounded` (bf16 queries: a rounding.Rounding) rounds p where HF's attention does."""
     s = s * sm_scale
@@ -209,7 +219,7 @@ def _fast_product(step, *, sm_scale, sliding_window, soft_cap):
     q_rows = _spread_heads(step.q_seq, step.hkv)[step.seq]  # [N, Hq, Hkv * D]
     s = jnp.einsum("nqe,nle->nql", q_rows, step.k, precision=reference._precision())
     mask = step.mask(sliding_window)[:, None, :]  # the same keys for every head
-    p, m, total = _softmax_parts(s, mask, sm_scale, soft_cap, step.rounding)
+    p, m, total = softmax_parts(s, mask, sm_scale, soft_cap, step.rounding)
     o = jnp.einsum("nql,nle->nqe", p, step.v, precision=reference._precision())
     return _own_heads(o, step.hkv), m, total
 
@@ -225,7 +235,7 @@ def _exact_product(step, k, v, *, sm_scale, sliding_window, soft_cap):
     k, v = k.reshape(n, length, hkv, d), v.reshape(n, length, hkv, d)
     s = jnp.einsum("nkgd,nlkd->nkgl", qh, k, precision=reference._precision())
     mask = step.mask(sliding_window)  # [N, L]
-    p, m, total = _softmax_parts(s, mask[:, None, None, :], sm_scale, soft_cap, step.rounding)
+    p, m, total = softmax_parts(s, mask[:, None, None, :], sm_scale, soft_cap, step.rounding)
     bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, L, Hkv]
     v = jnp.where(bad[..., None], 0.0, v)
     o = jnp.einsum("nkgl,nlkd->nkgd", p, v, precision=reference._precision())

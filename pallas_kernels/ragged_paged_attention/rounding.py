@@ -77,7 +77,7 @@ def for_pieces(dtype, k_pos, group, num_groups: int, num_keys: int) -> Rounding 
 def rounded_parts(s, mask, ref, dtype):
     """HF's rounding of one piece's softmax parts, from its scaled scores s [..., L], mask and
     per-key reference maxima ref (`running_block_max`): (p, m, sum) as decode.py's
-    `_softmax_parts` gives them, p rounded to `dtype` relative to ref and rescaled to the piece's
+    `softmax_parts` gives them, p rounded to `dtype` relative to ref and rescaled to the piece's
     largest reference m (a factor of 1 unless the piece spans blocks)."""
     m = jnp.max(ref, axis=-1)
     safe = jnp.where(jnp.isfinite(ref), ref, 0.0)

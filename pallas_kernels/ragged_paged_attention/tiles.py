@@ -103,17 +103,13 @@ class _Pairs:
         num_tiles = tile_seq.shape[0]
         first_pos = query_positions(tile_seq, tile_start, kv_lens, cu_q_lens)
         counts = jnp.where(tile_ntok > 0, (first_pos + tile_ntok - 1) // keys + 1, 0)
-        ends = jnp.cumsum(counts)
-        ids = jnp.arange(n, dtype=jnp.int32)
-        tile = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), num_tiles - 1)
-        self.tile = tile.astype(jnp.int32)
-        live = ids < ends[-1]
-        chunk = jnp.where(live, ids - (ends[tile] - counts[tile]), 0)
+        self.tile, chunk, live, count = decode.lay_out(counts, n)
+        tile = self.tile
         seq = tile_seq[tile]
         cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
         blocks = block_tables[seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
-        self.k = decode._gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
-        self.v = decode._gather_rows(v_cache, blocks).astype(jnp.float32)
+        self.k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
+        self.v = decode.gather_rows(v_cache, blocks).astype(jnp.float32)
         rows = tile_start[:, None] + jnp.arange(c)[None, :]  # [W, C]
         row_ok = jnp.arange(c)[None, :] < tile_ntok[:, None]
         self.q = q[jnp.clip(rows, 0, t - 1)].astype(jnp.float32)  # [W, C, Hq, D]
@@ -126,7 +122,7 @@ class _Pairs:
             q.dtype, self.k_pos, self.tile, num_tiles, max_blocks * bs
         )
         self.dest = jnp.where(row_ok, rows, t).reshape(-1)
-        self.broken = ends[-1] > n
+        self.broken = count > n
 
     def mask(self, sliding_window):
         """bool[N, C, L]: the keys each pair's queries attend (causal, inside the context)."""
@@ -139,19 +135,9 @@ class _Pairs:
     def output(self, o, m, total):
         """Per pair o [N, C, Hq, D] (unnormalised), max m and sum total [N, C, Hq] -> [T, Hq, D]."""
 
-        def combine(x):
-            return jax.ops.segment_sum(
-                x, self.tile, num_segments=self.num_tiles, indices_are_sorted=True
-            )
-
         # Padding pairs and padding queries read whatever their clipped indices name: kept out.
         o = jnp.where(self.query_ok[:, :, None, None], o, 0.0)
-        m_tile = jax.ops.segment_max(
-            m, self.tile, num_segments=self.num_tiles, indices_are_sorted=True
-        )
-        scale = jnp.exp(m - jnp.where(jnp.isfinite(m_tile), m_tile, 0.0)[self.tile])  # 0: empty
-        den = combine(total * scale)
-        out = combine(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]
+        out = decode.combine(o, m, total, self.tile, self.num_tiles)
         w, c, hq, d = out.shape
         result = jnp.zeros((self.t, hq, d), self.dtype)
         result = result.at[self.dest].set(out.reshape(w * c, hq, d).astype(self.dtype), mode="drop")
@@ -178,7 +164,7 @@ def _product(step, k, v, *, finite_only, sm_scale, sliding_window, soft_cap):
         precision=reference._precision(),
     ).reshape(n, hkv, g, c, length)
     mask = step.mask(sliding_window)  # [N, C, L]
-    p, m, total = decode._softmax_parts(s, mask[:, None, None], sm_scale, soft_cap, step.rounding)
+    p, m, total = decode.softmax_parts(s, mask[:, None, None], sm_scale, soft_cap, step.rounding)
     if finite_only:
         bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, Hkv, L]
         v = jnp.where(bad[..., None], 0.0, v)

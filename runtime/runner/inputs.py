@@ -9,7 +9,7 @@ that the number of compiled shapes stays small and known.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,6 +140,12 @@ class BatchBuilder:
         per_seq = -(-self.max_blocks_per_seq // self.decode_chunk_blocks)
         return half_step_buckets(s_pad, s_pad * per_seq)
 
+    def tile_bucket(self, rows: Iterable[tuple[int, int]], t_pad: int, s_pad: int) -> int:
+        """The pair bucket of a tiled step padded to t_pad tokens and s_pad sequences whose rows
+        have these (query tokens, context length including them)."""
+        live = tiles.tile_chunks(rows, self.block_size)
+        return bucket(live, self.tile_chunk_buckets(t_pad, s_pad))
+
     def tile_chunk_buckets(self, t_pad: int, s_pad: int) -> tuple[int, ...]:
         """Pair buckets of a tiled step padded to t_pad tokens and s_pad sequences: from the
         fewest a step of more than t_pad / 2 tokens can hold to the most (every tile at the
@@ -241,8 +247,7 @@ class BatchBuilder:
             chunks = bucket(live, self.decode_chunk_buckets(s_pad))
         if tiled:
             q_lens = [num_scheduled_tokens[r] for r in order]
-            live = tiles.tile_chunks(zip(q_lens, kv_lens, strict=True), bs)
-            pairs = bucket(live, self.tile_chunk_buckets(t_pad, s_pad))
+            pairs = self.tile_bucket(zip(q_lens, kv_lens, strict=True), t_pad, s_pad)
         shape = (t_pad, s_pad, mb_pad, chunks, pairs)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)

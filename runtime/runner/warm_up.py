@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from model.batch import ModelBatch
-from pallas_kernels.ragged_paged_attention import tiles
 from runtime.runner.inputs import BatchBuilder, bucket
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
 
@@ -70,10 +69,8 @@ def run_shapes(
         first = builder.decode_chunk_buckets(s_first)
         shapes = [(t_first, s_first, wide, bucket(seqs, first), 0)]
     elif builder.tiled_steps:
-        pairs = tiles.tile_chunks(((n, n) for n in takes), bs)
-        shapes = [
-            (t_first, s_first, wide, 0, bucket(pairs, builder.tile_chunk_buckets(t_first, s_first)))
-        ]
+        pairs = builder.tile_bucket(((n, n) for n in takes), t_first, s_first)
+        shapes = [(t_first, s_first, wide, 0, pairs)]
     else:
         shapes = [(t_first, s_first, blocks(max(takes)), 0, 0)]
     # Decode: the step that feeds a request's k-th output token back has context prompt + k, for
