@@ -48,3 +48,20 @@ def logger_messages():
     """`with logger_messages("runtime.runner.model_runner") as log:` ... `log.records`.
     Session-scoped (it holds no state), so module-scoped fixtures can use it too."""
     return _LoggerMessages
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module. XLA:CPU maps each program's code
+    into the process, and JAX keeps every program it compiled for the process's life: one
+    xdist worker that ran half the suite reached 61,141 memory maps, against the kernel's
+    vm.max_map_count of 65,530, and a worker past it aborts in the next compile or cache load
+    (`Fatal Python error: Aborted` in deserialize_executable, which wedged a CI run). Modules
+    share few programs, and those few come back from the persistent compilation cache."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()

@@ -2,7 +2,8 @@
 under the priority policy, a KV pool of two or three requests' worth, random aborts, and a host
 store failing 15% of its reads and writes. Every check of the benchmark must hold: one final
 output per request, greedy and seeded tokens equal to a fault-free run, nothing left held, no
-/dev/shm segment left (a process SIGKILLed mid-create included), resident memory within 10%."""
+/dev/shm segment left (a process SIGKILLed mid-create included). Resident memory is bounded at the
+full size only (SoakSize.rss_growth_limit says why)."""
 
 from benchmarks.soak import run_soak
 from benchmarks.soak_workload import SIZES
