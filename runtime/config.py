@@ -59,6 +59,9 @@ class EngineConfig:
     # ASYNC_BY_DEFAULT), off for pooling models and with kv_offload; True where those refuse it
     # is an error.
     async_scheduling: bool | None = None
+    # glibc malloc keeps freed host buffers mapped, so XLA:CPU's per-step buffers are not
+    # faulted in again every step (runtime/host_malloc.py); a process-wide setting.
+    keep_host_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -110,6 +113,10 @@ class EngineConfig:
                 f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
             )
         _positive("data_parallel_size", self.data_parallel_size)
+        if not isinstance(self.keep_host_buffers, bool):
+            raise ConfigError(
+                f"keep_host_buffers must be True or False, got {self.keep_host_buffers!r}"
+            )
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(
                 f"async_scheduling must be True, False or None (the engine's default), "

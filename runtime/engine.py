@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from runtime import host_malloc
 from runtime.config import ConfigError, EngineConfig
 from runtime.core import scheduler as sched
 from runtime.core.kv import kv_cache
@@ -94,6 +95,8 @@ class Engine:
                 f"(keep the last N), got {record_steps!r}"
             )
         setup = resolve(config)
+        if config.keep_host_buffers:
+            host_malloc.keep_freed_buffers()
         config, model_config = setup.config, setup.model_config
         max_model_len, max_batched = setup.max_model_len, setup.max_num_batched_tokens
         enable_prefix_caching = setup.enable_prefix_caching

@@ -12,6 +12,12 @@ from runtime.config import ATTENTION_BACKENDS, DTYPE_CHOICES
 
 def add_engine_flags(p: argparse.ArgumentParser, pooling: bool = False) -> None:
     p.add_argument(
+        "--no-keep-host-buffers",
+        action="store_true",
+        help="leave glibc malloc's settings alone (by default freed host buffers stay mapped, so "
+        "XLA:CPU's per-step buffers are not faulted in again each step)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=DTYPE_CHOICES,
@@ -85,6 +91,7 @@ def add_engine_flags(p: argparse.ArgumentParser, pooling: bool = False) -> None:
 def engine_args(args: argparse.Namespace, pooling: bool = False) -> dict:
     """The LLM / EngineConfig keyword arguments of the flags `add_engine_flags` added."""
     common = dict(
+        keep_host_buffers=not args.no_keep_host_buffers,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
