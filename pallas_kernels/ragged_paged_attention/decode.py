@@ -8,20 +8,23 @@ one sequence each, laid end to end, and only those chunks are gathered: a static
 attends its sequence's query on its own (max, sum and value product per chunk) and the chunks of a
 sequence are combined with their max-rescaled sums, as flash-decoding combines its KV splits.
 
-Two XLA:CPU costs shape the layout, both measured (64 sequences, contexts 32..1024):
+Three XLA:CPU costs shape the layout, all measured (64 sequences, contexts 32..1024):
 - Pages are gathered as rows of the [num_blocks, block_size * Hkv * D] view of the cache: one
   contiguous copy per block. The 4-D gather of the same pages ran up to 8x slower.
-- A chunk's keys arrive as [keys, Hkv * D] (the cache's token-major order); the score dot batched
-  over (chunk, kv head) would need them transposed to [Hkv, keys, D] first. Instead each query
-  head's vector sits in its kv head's slot of a zero [Hkv * D] row, so the score and value dots
-  contract and batch over the layout as it is (Hkv times the multiply-adds of a tiny dot, none of
-  the copies). The value dot gives each q head every kv head's weighted sum; its own is kept.
+- A chunk's keys arrive as [keys, Hkv * D] (the cache's token-major order); a score dot batched
+  over (chunk, kv head) would need them transposed to [Hkv, keys, D] first. The scores are an
+  elementwise product summed over D instead, each query head against its own kv head's slot of
+  the keys as laid out: XLA:CPU runs it as one fused multiply-reduce, 2.8 ms where the batched
+  dot of each query head spread over a zero [Hkv * D] row took 8 (64 sequences, contexts
+  200..760, 8 query and 2 kv heads of 64). The value product stays a dot batched over chunks,
+  each query head's probabilities against every kv head's values (Hkv times the multiply-adds of
+  a tiny dot, none of the copies); its own head's sum is kept.
 - A chunk of 128 keys: one block per chunk made 16x more, smaller dots and ran 1.4x slower; the
   padding a sequence's last chunk wastes is under a chunk.
 
 Semantics are the reference's (reference.py): the fast product is exact whenever the output is all
-finite (a zero in the padded query row or a masked key's probability only multiplies a non-finite
-cache value into a non-finite output), and otherwise an exact product per kv head on the same
+finite (a masked key's zero probability, or a probability meeting another kv head's values, only
+multiplies a non-finite cache value into a non-finite output), and otherwise an exact product per kv head on the same
 gathered chunks computes the step, keys and values a token does not attend never changing its
 output (pallas_kernels/masked_values.py).
 """
@@ -81,13 +84,6 @@ def combine(o, m, total, owner, num_owners: int):
     scale = jnp.exp(m - jnp.where(jnp.isfinite(m_owner), m_owner, 0.0)[owner])  # 0: empty
     den = per_owner(total * scale)
     return per_owner(o * scale[..., None]) / jnp.where(den > 0, den, 1.0)[..., None]
-
-
-def _spread_heads(q, hkv):
-    """q [N, Hq, D] -> [N, Hq, Hkv * D]: q head h in the slot of its kv head h // G, zeros elsewhere."""
-    n, hq, d = q.shape
-    own = (jnp.arange(hq) // (hq // hkv))[:, None] == jnp.arange(hkv)[None, :]  # [Hq, Hkv]
-    return jnp.where(own[None, :, :, None], q[:, :, None, :], 0.0).reshape(n, hq, hkv * d)
 
 
 def _own_heads(o, hkv):
@@ -215,13 +211,18 @@ def softmax_parts(s, mask, sm_scale, soft_cap, rounded=None):
 
 
 def _fast_product(step, *, sm_scale, sliding_window, soft_cap):
-    """Both dots over the chunks' layout as gathered (module docstring); exact when finite."""
-    q_rows = _spread_heads(step.q_seq, step.hkv)[step.seq]  # [N, Hq, Hkv * D]
-    s = jnp.einsum("nqe,nle->nql", q_rows, step.k, precision=reference._precision())
+    """Both products over the chunks' layout as gathered (module docstring); exact when finite."""
+    n, length, e = step.k.shape
+    hkv = step.hkv
+    hq = step.q_seq.shape[1]
+    d, g = e // hkv, hq // hkv
+    qh = step.q_seq[step.seq].reshape(n, 1, hkv, g, d)
+    s = jnp.sum(qh * step.k.reshape(n, length, hkv, 1, d), axis=-1)  # [N, L, Hkv, G]
+    s = jnp.moveaxis(s.reshape(n, length, hq), 1, 2)  # [N, Hq, L]
     mask = step.mask(sliding_window)[:, None, :]  # the same keys for every head
     p, m, total = softmax_parts(s, mask, sm_scale, soft_cap, step.rounding)
     o = jnp.einsum("nql,nle->nqe", p, step.v, precision=reference._precision())
-    return _own_heads(o, step.hkv), m, total
+    return _own_heads(o, hkv), m, total
 
 
 def _exact_product(step, k, v, *, sm_scale, sliding_window, soft_cap):
