@@ -24,9 +24,9 @@ Three XLA:CPU costs shape the layout, all measured (64 sequences, contexts 32..1
 
 Semantics are the reference's (reference.py): the fast product is exact whenever the output is all
 finite (a masked key's zero probability, or a probability meeting another kv head's values, only
-multiplies a non-finite cache value into a non-finite output), and otherwise an exact product per kv head on the same
-gathered chunks computes the step, keys and values a token does not attend never changing its
-output (pallas_kernels/masked_values.py).
+multiplies a non-finite cache value into a non-finite output), and otherwise an exact product per
+kv head on the same gathered chunks computes the step, keys and values a token does not attend
+never changing its output (pallas_kernels/masked_values.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from runtime.runner.inputs import (
     bucket,
     half_step_buckets,
     power_of_two_buckets,
+    quarter_step_buckets,
 )
 
 
@@ -16,6 +17,19 @@ def test_buckets_cover_the_limit():
     assert bucket(17, (16, 32)) == 32
     with pytest.raises(ValueError, match="exceeds the largest bucket 32"):
         bucket(33, (16, 32))
+
+
+def test_quarter_step_buckets_waste_at_most_a_fifth():
+    assert quarter_step_buckets(64, 512) == (
+        64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+    )  # fmt: skip
+    assert quarter_step_buckets(3, 20) == (3, 4, 5, 6, 7, 9, 10, 12, 15, 18, 24)
+    assert quarter_step_buckets(1, 1) == (1,)
+    for lo, hi in ((64, 512), (8, 128), (5, 300)):
+        buckets = quarter_step_buckets(lo, hi)
+        assert buckets[-1] >= hi and list(buckets) == sorted(set(buckets))
+        for n in range(lo + 1, hi + 1):
+            assert bucket(n, buckets) <= max(n * 5 / 4, n + 1), n
 
 
 def test_context_buckets_take_half_steps_and_end_at_the_table_width():

@@ -66,14 +66,17 @@ def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     table width; the warm-up covers every bucket between the fewest chunks the fewest requests
     of a sequence bucket hold (shortest context) and the most the most requests hold."""
     b = _builder(decode_chunk_blocks=8)  # 128-key chunks; 2048 tokens: 16 chunks per sequence
-    assert b.decode_chunk_buckets(8) == (8, 12, 16, 24, 32, 48, 64, 96, 128)
+    assert b.decode_chunk_buckets(8) == (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
     shapes = run_shapes(b, [100] * 20, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
     assert shapes[0] == (2048, 32, 16, 0, 0)  # the prefill keeps its table-width bucket
     # 17..20 requests of 101..350 tokens: 17 x 1 to 20 x 3 chunks; 9..16: 9 to 48; 1..8: 1 to 24.
     assert shapes[1:] == [
-        (32, 32, 128, 32, 0), (32, 32, 128, 48, 0), (32, 32, 128, 64, 0),
-        (16, 16, 128, 16, 0), (16, 16, 128, 24, 0), (16, 16, 128, 32, 0), (16, 16, 128, 48, 0),
-        (16, 8, 128, 8, 0), (16, 8, 128, 12, 0), (16, 8, 128, 16, 0), (16, 8, 128, 24, 0),
+        (32, 32, 128, 32, 0), (32, 32, 128, 40, 0), (32, 32, 128, 48, 0), (32, 32, 128, 56, 0),
+        (32, 32, 128, 64, 0),
+        (16, 16, 128, 16, 0), (16, 16, 128, 20, 0), (16, 16, 128, 24, 0), (16, 16, 128, 28, 0),
+        (16, 16, 128, 32, 0), (16, 16, 128, 40, 0), (16, 16, 128, 48, 0),
+        (16, 8, 128, 8, 0), (16, 8, 128, 10, 0), (16, 8, 128, 12, 0), (16, 8, 128, 14, 0),
+        (16, 8, 128, 16, 0), (16, 8, 128, 20, 0), (16, 8, 128, 24, 0),
     ]  # fmt: skip
     # Every decode step a run of them meets is one of these shapes.
     rows = {
@@ -82,8 +85,8 @@ def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     }
     built = b.build(rows, {r: 1 for r in rows}, list(rows))
     assert built.arrays["block_tables"].shape == (8, 128)
-    assert built.decode_chunks == 12  # 1 + 3 + 2 + 1 + 3 = 10 chunks
-    assert (16, 8, 128, 12, 0) in shapes
+    assert built.decode_chunks == 10  # 1 + 3 + 2 + 1 + 3 = 10 chunks
+    assert (16, 8, 128, 10, 0) in shapes
 
 
 def test_run_shapes_with_tiles_give_the_first_steps_pair_bucket():
