@@ -10,8 +10,8 @@ reuse the same freed blocks rather than mapping arenas of their own), those buff
 and are reused, and the process's resident size stays at its high-water mark instead of shrinking
 between steps, as an inference engine's working set does anyway.
 
-`LLM(keep_host_buffers=False)` (EngineConfig) / `vlax ... --no-keep-host-buffers` leave malloc alone. Other C
-libraries (musl, macOS) have no mallopt: logged and left alone.
+`LLM(keep_host_buffers=False)` (EngineConfig) / `vlax ... --no-keep-host-buffers` leave malloc
+alone. Other C libraries (musl, macOS) have no mallopt: logged and left alone.
 """
 
 from __future__ import annotations
@@ -21,17 +21,12 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD = -1
-M_TOP_PAD = -2
-M_MMAP_MAX = -4
-M_ARENA_MAX = -8
-
+# (mallopt parameter, its number in malloc.h, value)
 SETTINGS = (
-    ("M_MMAP_MAX", M_MMAP_MAX, 0),  # large blocks from the heap, never fresh mappings
-    ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, 2**31 - 1),  # mallopt takes an int: its largest
-    ("M_TOP_PAD", M_TOP_PAD, 64 << 20),  # grow the heap in steps of 64 MiB
-    ("M_ARENA_MAX", M_ARENA_MAX, 1),
+    ("M_MMAP_MAX", -4, 0),  # large blocks from the heap, never fresh mappings
+    ("M_TRIM_THRESHOLD", -1, 2**31 - 1),  # mallopt takes an int: its largest
+    ("M_TOP_PAD", -2, 64 << 20),  # grow the heap in steps of 64 MiB
+    ("M_ARENA_MAX", -8, 1),
 )
 
 _done = False

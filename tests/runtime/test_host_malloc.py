@@ -45,7 +45,6 @@ def _faults_per_round(mode: str) -> float:
     return json.loads(out.stdout.splitlines()[-1])["faults_per_round"]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_freed_buffers_stay_mapped_instead_of_faulting_in_again():
     pages = (96 << 20) // 4096
     assert _faults_per_round("off") > pages / 2  # glibc's default: a fresh mapping each round
