@@ -14,7 +14,8 @@ After each run it checks, and the JSON reports: every request got exactly one fi
 (finished or aborted, with a reason that fits); greedy and seeded requests that were not aborted
 have the tokens of a fault-free run (no store, no aborts); nothing is left held (blocks, pins, KV
 jobs, request slots), by the core invariant checkers; resident memory after the run against after
-a warm-up run of the same engine (at the full size: SoakSize.rss_growth_limit); no /dev/shm
+a warm-up run of the same engine (at the full size: SoakSize.rss_growth_limit, after a warm-up
+of a whole workload, with the programs compiled during the run reported beside it); no /dev/shm
 segment left, including by a process SIGKILLed while creating its store (the next store reclaims
 it, logging). A check that fails makes the command exit non-zero.
 """
@@ -50,7 +51,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORT = 47851
 FAULT_RATE = 0.15  # of store reads and of store writes
 ABORT_RATE = 0.08  # chance per step that one request is aborted
-WARMUP_REQUESTS = 24
 MUST_BE_ZERO = (
     "outputs_lost",
     "outputs_duplicated",
@@ -63,6 +63,28 @@ MUST_BE_ZERO = (
     "leaked_slots",
     "shm_segments_left",
 )
+
+
+class CompileCounter:
+    """Programs XLA compiled in this process (JAX's monitoring event), to tell the resident
+    memory a run's first-met batch shapes load from a leak."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+    count = 0
+    _listening = False
+
+    @classmethod
+    def listen(cls) -> None:
+        import jax
+
+        if not cls._listening:
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            cls._listening = True
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
+        if event == cls.EVENT:
+            cls.count += 1
 
 
 def engine_args(size: SoakSize) -> dict:
@@ -216,7 +238,7 @@ def run_soak(
 
     store = make_store(kind, nbytes, size, seed, fault_rate)
     engine = LLM(**engine_args(size), kv_offload=store).engine
-    warmup = make_workload(replace(size, num_requests=WARMUP_REQUESTS), vocab, seed + 1)
+    warmup = make_workload(replace(size, num_requests=size.warmup_requests), vocab, seed + 1)
     drive(engine, warmup, seed + 1, abort_rate=abort_rate, progress=False)
     gc.collect()
     warm_cpu = time.process_time() - cpu_start - reference_cpu
@@ -234,11 +256,14 @@ def run_soak(
             elif added == len(workload) // 2:
                 master.restart()
 
+    CompileCounter.listen()
+    compiles_before = CompileCounter.count
     run_start, run_cpu = time.perf_counter(), time.process_time()
     outputs, aborts = drive(
         engine, workload, seed, abort_rate=abort_rate, progress=progress, on_added=on_added
     )
     run_wall, run_cpu = time.perf_counter() - run_start, time.process_time() - run_cpu
+    compiles_during_run = CompileCounter.count - compiles_before
     gc.collect()
     rss_after = rss_bytes()
     report = {
@@ -270,6 +295,8 @@ def run_soak(
     report["rss_after_mib"] = round(rss_after / 2**20, 1)
     report["rss_growth"] = round(rss_after / rss_warm - 1, 4)
     report["rss_growth_limit"] = size.rss_growth_limit
+    report["warmup_requests"] = size.warmup_requests
+    report["compiles_during_run"] = compiles_during_run
     report["run_wall_s"] = round(run_wall, 1)
     report["wall_s"] = round(time.perf_counter() - start, 1)
     report["cpu_s"] = round(time.process_time() - cpu_start, 1)
