@@ -66,7 +66,8 @@ def test_run_shapes_with_decode_chunks_cover_every_live_chunk_bucket():
     table width; the warm-up covers every bucket between the fewest chunks the fewest requests
     of a sequence bucket hold (shortest context) and the most the most requests hold."""
     b = _builder(decode_chunk_blocks=8)  # 128-key chunks; 2048 tokens: 16 chunks per sequence
-    assert b.decode_chunk_buckets(8) == (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+    steps = (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
+    assert b.decode_chunk_buckets(8) == steps
     shapes = run_shapes(b, [100] * 20, [250] * 20, max_num_seqs=64, max_num_batched_tokens=2048)
     assert shapes[0] == (2048, 32, 16, 0, 0)  # the prefill keeps its table-width bucket
     # 17..20 requests of 101..350 tokens: 17 x 1 to 20 x 3 chunks; 9..16: 9 to 48; 1..8: 1 to 24.
