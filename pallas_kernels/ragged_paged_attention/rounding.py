@@ -30,29 +30,32 @@ def rounds(dtype) -> bool:
     return jnp.dtype(dtype).itemsize < 4
 
 
-def running_block_max(s, k_pos, group, num_groups: int, num_keys: int):
-    """Per key, the maximum of its row's scores over the KEY_BLOCK blocks up to and including its
-    own: s [N, ..., L] scores of N pieces of rows (-inf where not attended), the keys of piece n
-    at positions k_pos [N, L], pieces of the same rows sharing group[n] (a query tile or a
-    sequence, of num_groups); num_keys bounds every position (static). -> [N, ..., L]."""
-    n, length = k_pos.shape
-    width = math.gcd(length, KEY_BLOCK)  # runs of keys that lie inside one block
-    runs = length // width
+def run_maxima(s, width: int):
+    """s [N, ..., L] -> [N, ..., L / width]: the maximum of each run of `width` keys."""
+    *lead, length = s.shape
+    return jnp.max(s.reshape(*lead, length // width, width), axis=-1)
+
+
+def block_reference(run_max, k_pos, group, num_groups: int, num_keys: int, width: int):
+    """Per run of `width` keys (`run_maxima` of N pieces' scores [N, ..., R]), the maximum of its
+    row's scores over the KEY_BLOCK blocks up to and including its own: the keys of piece n lie
+    at positions k_pos [N, R * width], pieces of the same rows share group[n] (a query tile or a
+    sequence, of num_groups); num_keys bounds every position (static). -> [N, ..., R]."""
+    n, runs = run_max.shape[0], run_max.shape[-1]
+    rest = run_max.shape[1:-1]
     blocks = -(-num_keys // KEY_BLOCK)
-    rest = s.shape[1:-1]
-    run_max = jnp.max(s.reshape(n, *rest, runs, width), axis=-1)  # [N, ..., R]
-    run_max = jnp.moveaxis(run_max, -1, 1).reshape(n * runs, *rest)
+    flat = jnp.moveaxis(run_max, -1, 1).reshape(n * runs, *rest)
     block = jnp.minimum(k_pos[:, ::width] // KEY_BLOCK, blocks - 1)  # [N, R]
     ids = (group[:, None] * blocks + block).reshape(-1)
-    per_block = jax.ops.segment_max(run_max, ids, num_segments=num_groups * blocks)
+    per_block = jax.ops.segment_max(flat, ids, num_segments=num_groups * blocks)
     running = jax.lax.cummax(per_block.reshape(num_groups, blocks, *rest), axis=1)
     ref = running.reshape(num_groups * blocks, *rest)[ids].reshape(n, runs, *rest)
-    return jnp.repeat(jnp.moveaxis(ref, 1, -1), width, axis=-1)
+    return jnp.moveaxis(ref, 1, -1)
 
 
 @dataclass(frozen=True)
 class Rounding:
-    """HF's rounding for one step's pieces of rows (`running_block_max`'s arguments) and the
+    """HF's rounding for one step's pieces of rows (`block_reference`'s arguments) and the
     dtype the probabilities round to."""
 
     k_pos: jax.Array
@@ -61,9 +64,27 @@ class Rounding:
     num_keys: int
     dtype: object
 
+    @property
+    def width(self) -> int:
+        """Keys in a run that lies inside one KEY_BLOCK block (pieces start at multiples of it)."""
+        return math.gcd(self.k_pos.shape[1], KEY_BLOCK)
+
+    def run_maxima(self, s):
+        """Scaled scores s [n, ..., L] (-inf where not attended) -> their runs' maxima."""
+        return run_maxima(s, self.width)
+
+    def reference(self, run_max):
+        """Every piece's run maxima [N, ..., R] -> each run's reference maximum [N, ..., R]."""
+        args = (self.k_pos, self.group, self.num_groups, self.num_keys, self.width)
+        return block_reference(run_max, *args)
+
+    def expand(self, ref):
+        """Per run [n, ..., R] -> per key [n, ..., L]."""
+        return jnp.repeat(ref, self.width, axis=-1)
+
     def parts(self, s, mask):
         """(p, m, sum) of scaled scores s [N, ..., L] already -inf where mask is false."""
-        ref = running_block_max(s, self.k_pos, self.group, self.num_groups, self.num_keys)
+        ref = self.expand(self.reference(self.run_maxima(s)))
         return rounded_parts(s, mask, ref, self.dtype)
 
 
@@ -76,7 +97,7 @@ def for_pieces(dtype, k_pos, group, num_groups: int, num_keys: int) -> Rounding 
 
 def rounded_parts(s, mask, ref, dtype):
     """HF's rounding of one piece's softmax parts, from its scaled scores s [..., L], mask and
-    per-key reference maxima ref (`running_block_max`): (p, m, sum) as decode.py's
+    per-key reference maxima ref (`Rounding.reference`, expanded): (p, m, sum) as decode.py's
     `softmax_parts` gives them, p rounded to `dtype` relative to ref and rescaled to the piece's
     largest reference m (a factor of 1 unless the piece spans blocks)."""
     m = jnp.max(ref, axis=-1)

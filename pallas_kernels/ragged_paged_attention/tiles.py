@@ -23,6 +23,7 @@ which the host's count does not see): the dispatcher sends it to the reference.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import jax
@@ -36,6 +37,7 @@ from pallas_kernels.ragged_paged_attention.work_items import (
 )
 
 TILE_QUERIES = 32
+SLICE_PAIRS = 16
 
 
 def tile_chunks(rows: Iterable[tuple[int, int]], block_size: int) -> int:
@@ -71,45 +73,70 @@ def ragged_paged_tiles(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    slice_pairs: int = SLICE_PAIRS,
 ):
     """The reference's result for a causal step whose live pairs (`tile_chunks`) number at most
-    `num_pairs`; a step with more gets an all-NaN output rather than a silently truncated one."""
-    step = _Pairs(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, num_pairs)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    fast = step.output(*_product(step, step.k, step.v, finite_only=False, **options))
-    # The exact product takes the gathered pairs, not the caches (decode.py: a branch taking the
-    # caches made XLA:CPU copy both of them every layer).
-    return jax.lax.cond(
-        jnp.all(jnp.isfinite(fast)) | step.broken,
-        lambda k, v: fast,
-        lambda k, v: step.output(*_product(step, k, v, finite_only=True, **options)),
-        step.k,
-        step.v,
-    )
+    `num_pairs`; a step with more gets an all-NaN output rather than a silently truncated one.
+    `slice_pairs`: pairs gathered at a time (module docstring); any value gives the same result."""
+    step = _Pairs(q, k_cache, kv_lens, block_tables, cu_q_lens, num_seqs, num_pairs, slice_pairs)
+    scores = functools.partial(_scores, step, sm_scale=sm_scale, soft_cap=soft_cap)
+    mask = step.mask(sliding_window)  # [N, C, L]
+    reference_maxima = None
+    if step.rounding is not None:
+        # bf16: a key's probability rounds relative to its row's running maximum over the keys
+        # of earlier pairs too (rounding.py), so a first pass takes every pair's run maxima.
+        def run_maxima(piece):
+            blocks, tile, mask = piece
+            k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)
+            return step.rounding.run_maxima(scores(k, tile, mask))
+
+        runs = jax.lax.map(run_maxima, step.sliced(step.blocks, step.tile, mask))
+        reference_maxima = step.rounding.reference(runs.reshape(-1, *runs.shape[2:]))
+
+    def product(piece):
+        blocks, tile, mask, query_ok, ref = piece
+        k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)  # [n, L, Hkv * D]
+        v = decode.gather_rows(v_cache, blocks).astype(jnp.float32)
+        s = scores(k, tile, mask)
+        m4 = mask[:, None, None]
+        if ref is None:
+            p, m, total = decode.masked_parts(s, m4)
+        else:
+            p, m, total = rounding.rounded_parts(s, m4, step.rounding.expand(ref), step.dtype)
+        o = _values(p, v, step.hkv)
+        finite = jnp.all(jnp.isfinite(o) | ~query_ok[:, None, None, :, None]) | step.broken
+        # The exact product takes the slice's gathered values, not the caches (decode.py: a
+        # branch taking the caches made XLA:CPU copy both of them every layer).
+        o = jax.lax.cond(finite, lambda v: o, lambda v: _exact_values(p, v, mask, step.hkv), v)
+        return _heads_last(o, m, total)
+
+    pieces = step.sliced(step.blocks, step.tile, mask, step.query_ok, reference_maxima)
+    o, m, total = jax.lax.map(product, pieces)
+    return step.output(*(x.reshape(-1, *x.shape[2:]) for x in (o, m, total)))
 
 
 class _Pairs:
-    """One step's live (tile, chunk) pairs: their queries, keys and values gathered (f32), the
-    mask of what each query attends, and how per-pair results become the output."""
+    """One step's live (tile, chunk) pairs: their queries (f32), the blocks each gathers, the mask
+    of what each query attends, and how per-pair results become the output. Pairs are laid out
+    over `slices * per_slice` slots (decode.slicing), the slots past `n` always padding."""
 
-    def __init__(self, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, n):
+    def __init__(self, q, k_cache, kv_lens, block_tables, cu_q_lens, num_seqs, n, most):
         t, hq, d = q.shape
         _, bs, hkv, _ = k_cache.shape
         max_seqs, max_blocks = block_tables.shape
         c = TILE_QUERIES
         per_chunk = decode.chunk_blocks(bs)
         keys = per_chunk * bs
+        self.slices, self.per_slice = decode.slicing(n, most)
         tile_seq, tile_start, tile_ntok = work_items(cu_q_lens, num_seqs, t, c)
         num_tiles = tile_seq.shape[0]
         first_pos = query_positions(tile_seq, tile_start, kv_lens, cu_q_lens)
         counts = jnp.where(tile_ntok > 0, (first_pos + tile_ntok - 1) // keys + 1, 0)
-        self.tile, chunk, live, count = decode.lay_out(counts, n)
+        self.tile, chunk, live, count = decode.lay_out(counts, self.slices * self.per_slice)
         tile = self.tile
         seq = tile_seq[tile]
         cols = chunk[:, None] * per_chunk + jnp.arange(per_chunk)[None, :]
-        blocks = block_tables[seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
-        self.k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)  # [N, L, Hkv * D]
-        self.v = decode.gather_rows(v_cache, blocks).astype(jnp.float32)
+        self.blocks = block_tables[seq[:, None], jnp.minimum(cols, max_blocks - 1)]  # [N, P]
         rows = tile_start[:, None] + jnp.arange(c)[None, :]  # [W, C]
         row_ok = jnp.arange(c)[None, :] < tile_ntok[:, None]
         self.q = q[jnp.clip(rows, 0, t - 1)].astype(jnp.float32)  # [W, C, Hq, D]
@@ -123,6 +150,12 @@ class _Pairs:
         )
         self.dest = jnp.where(row_ok, rows, t).reshape(-1)
         self.broken = count > n
+
+    def sliced(self, *xs):
+        """Each [N, ...] -> [slices, per_slice, ...] (None stays None), for lax.map."""
+        return tuple(
+            None if x is None else x.reshape(self.slices, self.per_slice, *x.shape[1:]) for x in xs
+        )
 
     def mask(self, sliding_window):
         """bool[N, C, L]: the keys each pair's queries attend (causal, inside the context)."""
@@ -144,40 +177,56 @@ class _Pairs:
         return jnp.where(self.broken, jnp.nan, result)
 
 
-def _product(step, k, v, *, finite_only, sm_scale, sliding_window, soft_cap):
-    """Scores, softmax parts and value product of every pair: (o [N, C, Hq, D], m, sum [N, C, Hq]).
-    `finite_only`: value rows holding NaN or inf enter as zeros and a query attending one gets NaN.
-    The dots are batched over (pair, kv head) with one free dimension per operand: XLA:CPU ran the
-    same einsum with (kv head, group, query) left apart ~2x slower."""
+def _scores(step, k, tile, mask, *, sm_scale, soft_cap):
+    """A slice of pairs' scaled scores [n, Hkv, G, C, L], -inf where `mask` [n, C, L] is false,
+    from their gathered keys k [n, L, Hkv * D]. The dot is batched over (pair, kv head) with one
+    free dimension per operand: XLA:CPU ran the same einsum with (kv head, group, query) left
+    apart ~2x slower."""
     n, length, e = k.shape
     hkv = step.hkv
     d = e // hkv
-    w, c, hq, _ = step.q.shape
+    _, c, hq, _ = step.q.shape
     g = hq // hkv
-    q = step.q[step.tile].reshape(n, c, hkv, g, d).transpose(0, 2, 3, 1, 4)
-    k = k.reshape(n, length, hkv, d).transpose(0, 2, 3, 1)  # [N, Hkv, D, L]
-    v = v.reshape(n, length, hkv, d).transpose(0, 2, 1, 3)
+    q = step.q[tile].reshape(n, c, hkv, g, d).transpose(0, 2, 3, 1, 4)
+    k = k.reshape(n, length, hkv, d).transpose(0, 2, 3, 1)  # [n, Hkv, D, L]
     s = jnp.einsum(
         "bmd,bdl->bml",
         q.reshape(n * hkv, g * c, d),
         k.reshape(n * hkv, d, length),
         precision=reference._precision(),
     ).reshape(n, hkv, g, c, length)
-    mask = step.mask(sliding_window)  # [N, C, L]
-    p, m, total = decode.softmax_parts(s, mask[:, None, None], sm_scale, soft_cap, step.rounding)
-    if finite_only:
-        bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [N, Hkv, L]
-        v = jnp.where(bad[..., None], 0.0, v)
+    return decode.masked_scores(s, mask[:, None, None], sm_scale, soft_cap)
+
+
+def _values(p, v, hkv):
+    """p [n, Hkv, G, C, L] @ the gathered values v [n, L, Hkv * D] -> o [n, Hkv, G, C, D]."""
+    n, _, g, c, length = p.shape
+    d = v.shape[-1] // hkv
+    v = v.reshape(n, length, hkv, d).transpose(0, 2, 1, 3)
     o = jnp.einsum(
         "bml,bld->bmd",
         p.reshape(n * hkv, g * c, length),
         v.reshape(n * hkv, length, d),
         precision=reference._precision(),
-    ).reshape(n, hkv, g, c, d)
-    if finite_only:
-        hit = jnp.any(mask[:, None, :, :] & bad[:, :, None, :], axis=-1)  # [N, Hkv, C]
-        o = jnp.where(hit[:, :, None, :, None], jnp.nan, o)
-    o = o.transpose(0, 3, 1, 2, 4).reshape(n, c, hq, d)
-    m = m.transpose(0, 3, 1, 2).reshape(n, c, hq)
-    total = total.transpose(0, 3, 1, 2).reshape(n, c, hq)
+    )
+    return o.reshape(n, hkv, g, c, d)
+
+
+def _exact_values(p, v, mask, hkv):
+    """`_values` with value rows holding NaN or inf entering as zeros and NaN for the queries that
+    attend one (pallas_kernels/masked_values.py); mask [n, C, L]."""
+    n, length, e = v.shape
+    bad = ~jnp.all(jnp.isfinite(v.reshape(n, length, hkv, e // hkv)), axis=-1)  # [n, L, Hkv]
+    v = jnp.where(jnp.repeat(bad, e // hkv, axis=-1), 0.0, v)
+    o = _values(p, v, hkv)
+    hit = jnp.any(mask[:, None, :, :] & bad.transpose(0, 2, 1)[:, :, None, :], axis=-1)
+    return jnp.where(hit[:, :, None, :, None], jnp.nan, o)  # hit: [n, Hkv, C]
+
+
+def _heads_last(o, m, total):
+    """o [n, Hkv, G, C, D], m and total [n, Hkv, G, C] -> [n, C, Hq, D] and [n, C, Hq]."""
+    n, hkv, g, c, d = o.shape
+    o = o.transpose(0, 3, 1, 2, 4).reshape(n, c, hkv * g, d)
+    m = m.transpose(0, 3, 1, 2).reshape(n, c, hkv * g)
+    total = total.transpose(0, 3, 1, 2).reshape(n, c, hkv * g)
     return o, m, total

@@ -51,15 +51,28 @@ def test_live_chunks_match_reference_and_per_token_loop():
         want = numpy_attention(b, **options)
         ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
         chunks = need + 5 * (i % 2)  # exact, or with padding chunks
-        f = jax.jit(
-            lambda b, o=options, n=chunks: decode.live_chunk_attention(**b, num_chunks=n, **o)
-        )
-        out, broken = f(_jnp(b))
-        out = np.asarray(out)
-        assert not broken and np.isfinite(out).all(), (kl, bs, chunks)
-        np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=f"{kl} {bs}")
-        np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=f"{kl} {bs}")
-        assert (out[len(kl) :] == 0).all()
+        # One slice holding every chunk, and slices of 2 and 3 (the last one padded or not).
+        for most in (decode.SLICE_CHUNKS, 2, 3):
+            f = jax.jit(
+                lambda b, o=options, n=chunks, most=most: decode.live_chunk_attention(
+                    **b, num_chunks=n, slice_chunks=most, **o
+                )
+            )
+            out, broken = f(_jnp(b))
+            out = np.asarray(out)
+            where = f"{kl} {bs} chunks={chunks} slice_chunks={most}"
+            assert not broken and np.isfinite(out).all(), where
+            np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5, err_msg=where)
+            np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=where)
+            assert (out[len(kl) :] == 0).all()
+
+
+def test_slicing_covers_every_piece_with_the_fewest_slices():
+    for n in range(1, 70):
+        for most in (1, 2, 3, 16):
+            slices, per_slice = decode.slicing(n, most)
+            assert per_slice <= most and slices * per_slice >= n, (n, most)
+            assert (slices - 1) * per_slice < n and slices == -(-n // most), (n, most)
 
 
 def test_dispatcher_serves_decode_steps_with_prefix_lens():
@@ -90,7 +103,12 @@ def test_nan_in_keys_no_token_attends_changes_nothing():
         b = _batch(rng, kl, hq, hkv, d, bs, ps, pt, poison=True)
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
         n = decode.live_chunks(kl, bs)
-        f = jax.jit(lambda b, o=options, n=n: decode.ragged_paged_decode(**b, num_chunks=n, **o))
+        # Slices of two chunks: the NaN below sends one slice to the exact product, not the rest.
+        f = jax.jit(
+            lambda b, o=options, n=n: decode.ragged_paged_decode(
+                **b, num_chunks=n, slice_chunks=2, **o
+            )
+        )
         out = np.asarray(f(_jnp(b)))
         ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))
         assert np.isfinite(out).all(), kl
