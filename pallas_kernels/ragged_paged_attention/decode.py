@@ -236,7 +236,8 @@ def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_ca
     The keys and the values are gathered a slice at a time (module docstring); the scores of all
     chunks (Hq / (Hkv * D) the size of their keys) are kept whole between the two passes, so a
     bf16 step's rounding sees every chunk of a sequence. `exact`: a slice whose own-head output is
-    not all finite is redone by `_exact_values` (otherwise the fast product alone)."""
+    not all finite is redone by `reference.product_of_finite_values` (otherwise the fast product
+    alone)."""
     _, bs, hkv, d = k_cache.shape
     hq = step.q_seq.shape[1]
     g, length = hq // hkv, chunk_blocks(bs) * bs
@@ -260,23 +261,14 @@ def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_ca
         if not exact:
             return o
         finite = jnp.all(jnp.isfinite(o) | ~live[:, None, None]) | step.broken
-        return jax.lax.cond(finite, lambda v: o, lambda v: _exact_values(p, v, mask, hkv), v)
+
+        def finite_values_only(v):  # each chunk as a tile of one query
+            n = v.shape[0]
+            pieces = (p.reshape(n, hkv, g, 1, length), v.reshape(n, length, hkv, d), mask[:, None])
+            return reference.product_of_finite_values(*pieces).reshape(n, hq, d)
+
+        return jax.lax.cond(finite, lambda v: o, finite_values_only, v)
 
     pieces = (step.blocks, p, mask, step.live)
     o = jax.lax.map(values, tuple(step.sliced(x) for x in pieces))
     return o.reshape(-1, hq, d), m, total
-
-
-def _exact_values(p, v, mask, hkv):
-    """The value product per kv head, with non-finite value rows entering as zeros and NaN for the
-    heads that attend one (pallas_kernels/masked_values.py): the reference's rule on the chunks.
-    p [n, Hq, L], v [n, L, Hkv * D], mask [n, L] -> [n, Hq, D]."""
-    n, hq, length = p.shape
-    d = v.shape[-1] // hkv
-    v = v.reshape(n, length, hkv, d)
-    bad = ~jnp.all(jnp.isfinite(v), axis=-1)  # [n, L, Hkv]
-    v = jnp.where(bad[..., None], 0.0, v)
-    p = p.reshape(n, hkv, hq // hkv, length)
-    o = jnp.einsum("nkgl,nlkd->nkgd", p, v, precision=reference._precision())
-    hit = jnp.any(mask[:, :, None] & bad, axis=1)  # [n, Hkv]
-    return jnp.where(hit[:, :, None, None], jnp.nan, o).reshape(n, hq, d)

@@ -132,7 +132,7 @@ def ragged_paged_attention(
 
     def finite_values_only():
         again = from_bits(to_bits(v_cache)[pages], v_cache.dtype).reshape(w, ctx, hkv, d)
-        return _product_of_finite_values(p, again.astype(jnp.float32), mask)
+        return product_of_finite_values(p, again.astype(jnp.float32), mask)
 
     o = jax.lax.cond(jnp.all(jnp.isfinite(o)), lambda: o, finite_values_only)
 
@@ -141,9 +141,11 @@ def ragged_paged_attention(
     return out.at[dest].set(o.reshape(w * chunk, hq, d).astype(q.dtype), mode="drop")
 
 
-def _product_of_finite_values(p, vw, mask):
-    """p [W, Hkv, G, C, L] @ vw [W, L, Hkv, D] with non-finite value rows entering as zeros, and
-    NaN for the tokens that attend one (mask [W, C, L]); see pallas_kernels/masked_values.py."""
+def product_of_finite_values(p, vw, mask):
+    """p [W, Hkv, G, C, L] @ vw [W, L, Hkv, D] -> [W, C, Hkv, G, D], with non-finite value rows
+    entering as zeros, and NaN for the tokens that attend one (mask [W, C, L]); see
+    pallas_kernels/masked_values.py. The jnp fast paths (decode.py, tiles.py) redo a slice with
+    it when their plain product is not all finite."""
     v_bad = ~jnp.all(jnp.isfinite(vw), axis=-1)  # [W, L, Hkv]
     vw = jnp.where(v_bad[..., None], 0.0, vw)
     o = jnp.einsum("wkgcl,wlkd->wckgd", p, vw, precision=_precision())

@@ -110,10 +110,16 @@ def ragged_paged_tiles(
             p, m, total = rounding.rounded_parts(s, m4, step.rounding.expand(ref), step.dtype)
         o = _values(p, v, step.hkv)
         finite = jnp.all(jnp.isfinite(o) | ~query_ok[:, None, None, :, None]) | step.broken
+        o, m, total = _heads_last(o, m, total)
+
+        def finite_values_only(v):
+            n, length, e = v.shape
+            wide = v.reshape(n, length, step.hkv, e // step.hkv)
+            return reference.product_of_finite_values(p, wide, mask).reshape(o.shape)
+
         # The exact product takes the slice's gathered values, not the caches (decode.py: a
         # branch taking the caches made XLA:CPU copy both of them every layer).
-        o = jax.lax.cond(finite, lambda v: o, lambda v: _exact_values(p, v, mask, step.hkv), v)
-        return _heads_last(o, m, total)
+        return jax.lax.cond(finite, lambda v: o, finite_values_only, v), m, total
 
     pieces = step.sliced(step.blocks, step.tile, mask, step.query_ok, reference_maxima)
     o, m, total = jax.lax.map(product, pieces)
@@ -218,17 +224,6 @@ def _values(p, v, hkv):
         precision=reference._precision(),
     )
     return o.reshape(n, hkv, g, c, d)
-
-
-def _exact_values(p, v, mask, hkv):
-    """`_values` with value rows holding NaN or inf entering as zeros and NaN for the queries that
-    attend one (pallas_kernels/masked_values.py); mask [n, C, L]."""
-    n, length, e = v.shape
-    bad = ~jnp.all(jnp.isfinite(v.reshape(n, length, hkv, e // hkv)), axis=-1)  # [n, L, Hkv]
-    v = jnp.where(jnp.repeat(bad, e // hkv, axis=-1), 0.0, v)
-    o = _values(p, v, hkv)
-    hit = jnp.any(mask[:, None, :, :] & bad.transpose(0, 2, 1)[:, :, None, :], axis=-1)
-    return jnp.where(hit[:, :, None, :, None], jnp.nan, o)  # hit: [n, Hkv, C]
 
 
 def _heads_last(o, m, total):
