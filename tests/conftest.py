@@ -21,6 +21,16 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+def pytest_configure(config):
+    """The tests' vlax cache (default checkpoint, JAX compiled programs) lives in this checkout's
+    pytest cache, not in the user's ~/.cache/vlax: a test run neither fills nor reads what the
+    user's own runs compiled. The xdist workers inherit the controller's choice, so the two share
+    their programs, and a second run of the same checkout starts warm (a fresh clone, as CI,
+    starts cold). `--cache-clear` empties it; a VLAX_CACHE_DIR set outside is kept."""
+    if not os.environ.get("VLAX_CACHE_DIR") and getattr(config, "cache", None) is not None:
+        os.environ["VLAX_CACHE_DIR"] = str(config.cache.mkdir("vlax"))
+
+
 class _LoggerMessages(logging.Handler):
     """Collects one logger's INFO and higher messages, on the logger itself (whatever the app's
     logging setup), as `records`; the logger's level is restored on exit."""

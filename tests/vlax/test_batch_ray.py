@@ -13,7 +13,7 @@ import pytest
 import ray
 
 import vlax
-from vlax import LLM, SamplingParams, cli
+from vlax import LLM, SamplingParams, cli, compilation_cache
 from vlax.batch import CrashOnce, generate_rows
 from vlax.batch import _table as output_table
 from vlax.batch import _write as write_rows
@@ -31,14 +31,16 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     # The actors inherit this process's environment (JAX_PLATFORMS=cpu from conftest), and import
-    # this checkout, as this process does, whatever an installed vlax points at. They share one
-    # JAX compilation cache: each actor compiles the same batch shapes, and compiling is most of
-    # an actor's start (measured: a first batch 32 s to compile, 7 s from the cache, loaded).
+    # this checkout, as this process does, whatever an installed vlax points at. They share this
+    # process's JAX compilation cache: the `llm` fixture compiles the same model's batch shapes
+    # before any job starts, and compiling is most of an actor's start (measured: a first batch
+    # 32 s to compile, 7 s from the cache, loaded; two actors compiling at once on 2 cores, with
+    # another test process beside them, took 134 s).
     env = {
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_COMPILATION_CACHE_DIR": str(compilation_cache.enable()),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
