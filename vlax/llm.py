@@ -127,32 +127,24 @@ class LLM:
                     request_id, built.token_ids, params, prompt=text, images=built
                 )
             )
-        self._precompile(batch, use_tqdm)
         engine.add_processed(batch)
-        yield from self._in_order([p.request_id for p in batch], use_tqdm)
+        request_ids = [p.request_id for p in batch]
+        try:
+            self._precompile(batch, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)  # nothing of the batch runs on into the next call
+            raise
+        yield from self._in_order(request_ids, use_tqdm)
 
     def _precompile(self, batch: Sequence, use_tqdm: bool) -> None:
-        """Compile the batch shapes these requests meet for sure (runtime/runner/warm_up.py)
-        before the first step, behind a progress bar; shapes compiled by an earlier call are
-        skipped. Requests with other sampling flags than the first's compile when met."""
-        if not batch:
-            return
+        """Compile the batch shapes a dry run of the core plans for the engine's requests, this
+        batch just added (runtime/runner/warm_up.py), before the first step, behind a progress
+        bar; shapes compiled by an earlier call are skipped. Requests with other sampling flags
+        than the first's compile when met."""
         engine = self.engine
-        config = engine.state.config
-        prompt_lens, max_tokens = [], []
-        for processed in batch:
-            n = len(processed.prompt_token_ids)
-            room = engine.max_model_len - n
-            most = processed.params.max_tokens
-            prompt_lens += [n] * len(processed.children)
-            max_tokens += [room if most is None else min(most, room)] * len(processed.children)
-        shapes = warm_up.run_shapes(
-            engine.runner.builder,
-            prompt_lens,
-            max_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
+        if not batch or not warm_up.compiles_up_front(engine.runner):
+            return
+        shapes = warm_up.planned_shapes(engine.state, engine.runner.builder)
         params = batch[0].params
         key = warm_up.sampler_key(engine.runner, params)
         todo = [s for s in shapes if (s, key) not in self._compiled]

@@ -79,6 +79,11 @@ def quarter_step_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# (tokens, seqs, blocks per seq, live decode chunks or 0, live tile pairs or 0): a step's padded
+# shape, one compilation of the whole step each (BatchBuilder.shape).
+Shape = tuple[int, int, int, int, int]
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
@@ -146,7 +151,7 @@ class BatchBuilder:
         # Off for a prefix LM: a prefix reaches past what the count sees (the dispatcher would
         # take the reference anyway, and the counts would only add shapes).
         self.tiled_steps = tiled_steps and decode_chunk_blocks > 0
-        self._seen_shapes: set[tuple[int, int, int, int, int]] = set()
+        self._seen_shapes: set[Shape] = set()
 
     def decode_chunk_buckets(self, s_pad: int) -> tuple[int, ...]:
         """Live-chunk buckets of a one-token-per-sequence step padded to s_pad sequences:
@@ -175,6 +180,28 @@ class BatchBuilder:
         """KV chunks of one sequence's context of this many tokens on the decode path."""
         return -(-context // (self.decode_chunk_blocks * self.block_size))
 
+    def shape(self, q_lens: Sequence[int], kv_lens: Sequence[int]) -> Shape:
+        """The padded shape of a step whose rows schedule q_lens[i] tokens and reach a context of
+        kv_lens[i] tokens with them: what build() pads the step to, decided here only (the
+        warm-up compiles the shapes a planned run gives here)."""
+        num_tokens = sum(q_lens)
+        t_pad = bucket(num_tokens, self.token_buckets)
+        s_pad = bucket(len(q_lens), self.seq_buckets)
+        decode = (
+            self.decode_chunk_blocks > 0
+            and num_tokens == len(q_lens) > 0
+            and all(n == 1 for n in q_lens)
+        )
+        if decode:
+            live = sum(self.chunks_of(n) for n in kv_lens)
+            chunks = bucket(live, self.decode_chunk_buckets(s_pad))
+            return (t_pad, s_pad, self.max_blocks_per_seq, chunks, 0)
+        if self.tiled_steps and num_tokens > 0:
+            pairs = self.tile_bucket(zip(q_lens, kv_lens, strict=True), t_pad, s_pad)
+            return (t_pad, s_pad, self.max_blocks_per_seq, 0, pairs)
+        longest = max(kv_lens, default=1)
+        return (t_pad, s_pad, bucket(-(-longest // self.block_size), self.block_buckets), 0, 0)
+
     def build(
         self,
         rows: Mapping[str, RequestRow],
@@ -186,23 +213,12 @@ class BatchBuilder:
         reset_state_slots: Collection[int] = (),
     ) -> HostBatch:
         bs = self.block_size
-        num_tokens = sum(num_scheduled_tokens[r] for r in order)
-        t_pad = bucket(num_tokens, self.token_buckets)
-        s_pad = bucket(len(order), self.seq_buckets)
-        longest = max(
-            (rows[r].num_computed_tokens + num_scheduled_tokens[r] for r in order), default=1
+        q_lens = [num_scheduled_tokens[r] for r in order]
+        shape = self.shape(
+            q_lens, [rows[r].num_computed_tokens + n for r, n in zip(order, q_lens, strict=True)]
         )
-        decode = (
-            self.decode_chunk_blocks > 0
-            and num_tokens == len(order) > 0
-            and all(num_scheduled_tokens[r] == 1 for r in order)
-        )
-        tiled = self.tiled_steps and not decode and num_tokens > 0
-        mb_pad = (
-            self.max_blocks_per_seq
-            if decode or tiled
-            else bucket(-(-longest // bs), self.block_buckets)
-        )
+        t_pad, s_pad, mb_pad, chunks, pairs = shape
+        num_tokens = sum(q_lens)
 
         # Built as Python lists and converted once per array: per-row numpy calls cost more
         # than the data (a decode row is one token).
@@ -258,14 +274,6 @@ class BatchBuilder:
         # anything from one step to the next.
         state_reset = np.ones(s_pad, np.bool_)
         state_reset[:num_seqs] = reset_rows
-        chunks = pairs = 0
-        if decode:
-            live = sum(self.chunks_of(n) for n in kv_lens)
-            chunks = bucket(live, self.decode_chunk_buckets(s_pad))
-        if tiled:
-            q_lens = [num_scheduled_tokens[r] for r in order]
-            pairs = self.tile_bucket(zip(q_lens, kv_lens, strict=True), t_pad, s_pad)
-        shape = (t_pad, s_pad, mb_pad, chunks, pairs)
         if shape not in self._seen_shapes:
             self._seen_shapes.add(shape)
             log.info(

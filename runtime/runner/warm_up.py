@@ -6,18 +6,12 @@ first, behind a progress bar, they cost the same time but the user sees what it 
 with JAX's persistent compilation cache (vlax/compilation_cache.py) a second run loads them from
 disk.
 
-Which shapes: a documented subset of what max_num_seqs / max_num_batched_tokens / max_model_len
-allow (all of it is hundreds of shapes), the ones a batch of prompts meets for sure:
-- the first step: FCFS admits prompts in order until the token budget or max_num_seqs is spent
-  (the last one cut by chunked prefill), with nothing cached (BatchBuilder.tiled_steps: its
-  live (query tile, KV chunk) pair bucket at the full table width);
-- every decode step: one token per running request, for every count of running requests from
-  all of them down to one, at every context bucket from the shortest prompt to the longest
-  prompt plus its max_tokens - 1, the last token being sampled, never fed back (with the jnp
-  decode path, BatchBuilder.decode_chunk_blocks: at every live-chunk bucket between the fewest
-  and the most chunks that many requests can hold). A request asking for one token has none.
-Mixed steps (a prompt admitted while others decode), prefix-cache hits and preemptions may meet
-other shapes; those compile when met, as before. Prompt-logprob steps too (another program).
+Which shapes: those of a dry run of the pure core (planned_shapes), from the engine's state with
+the new requests added, each request running to its max_tokens: the steps a run meets when no
+request stops early on EOS, a stop id or a stop string, and nothing outside the core changes the
+plan. An early stop, async scheduling (a finishing request is planned once more), a KV-store load
+or another sampler key (another program: the sampler's static flags and logprobs width, taken from
+the first request) may meet other shapes; those compile when met. Prompt-logprob steps too.
 """
 
 from __future__ import annotations
@@ -28,74 +22,52 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from model.batch import ModelBatch
-from runtime.runner.inputs import BatchBuilder, bucket
+from runtime.core import scheduler as sched
+from runtime.core.outputs import ModelRunnerOutput
+from runtime.runner.inputs import BatchBuilder, Shape
 from runtime.runner.sampling_metadata import SamplingRow, logprobs_bucket, make_sampling_metadata
 
 log = logging.getLogger(__name__)
 
-# (tokens, seqs, blocks per seq, live decode chunks or 0, live tile pairs or 0), as
-# BatchBuilder.build pads them
-Shape = tuple[int, int, int, int, int]
+# The dry run's bound: a core step costs ~0.1-1 ms of host time, so a run this long plans in
+# seconds; steps past it compile when met.
+PLANNED_STEPS = 4096
 
 
-def run_shapes(
-    builder: BatchBuilder,
-    prompt_lens: Sequence[int],
-    max_tokens: Sequence[int],
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-) -> list[Shape]:
-    """The batch shapes a run of these requests (one entry per sequence) meets for sure: its
-    first step and its decode steps (module docstring), in the order they are met."""
-    if not prompt_lens:
-        return []
-    bs = builder.block_size
-
-    def blocks(n: int) -> int:
-        return bucket(min(-(-n // bs), builder.max_blocks_per_seq), builder.block_buckets)
-
-    # The first step: prompts in order while the budget lasts.
-    budget, takes = max_num_batched_tokens, []
-    for n in prompt_lens[:max_num_seqs]:
-        if budget == 0:
+def planned_shapes(state, builder: BatchBuilder, *, max_steps: int = PLANNED_STEPS) -> list[Shape]:
+    """The shapes of the steps the core schedules for the requests `state` holds, in the order
+    they are met (each once), when every request runs to its max_tokens or max_model_len: a dry
+    run of the pure core from `state`, a value, so the engine's own state is untouched. Each
+    step's output is applied as if every row that samples drew a token no request stops on.
+    Chunked prefill, preemption and prefix-cache hits (on what the state caches, and among the
+    requests themselves) come out as the real run meets them. At most `max_steps` steps."""
+    stop_ids = {0}
+    for request in state.requests.values():
+        stop_ids.update(request.eos_token_ids, request.sampling_params.stop_token_ids)
+    token = max(stop_ids) + 1  # a token none of them stops on
+    shapes: list[Shape] = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests(state):
             break
-        takes.append(min(n, budget))
-        budget -= takes[-1]
-    taken, seqs = sum(takes), len(takes)
-    t_first, s_first = bucket(taken, builder.token_buckets), bucket(seqs, builder.seq_buckets)
-    wide = builder.max_blocks_per_seq
-    if builder.decode_chunk_blocks and taken == seqs:  # every first prompt is one token
-        first = builder.decode_chunk_buckets(s_first)
-        shapes = [(t_first, s_first, wide, bucket(seqs, first), 0)]
-    elif builder.tiled_steps:
-        pairs = builder.tile_bucket(((n, n) for n in takes), t_first, s_first)
-        shapes = [(t_first, s_first, wide, 0, pairs)]
-    else:
-        shapes = [(t_first, s_first, blocks(max(takes)), 0, 0)]
-    # Decode: the step that feeds a request's k-th output token back has context prompt + k, for
-    # k from 1 to max_tokens - 1 (the last token is sampled, never fed back): a request asking for
-    # one token decodes never (`vlax generate --max-tokens 1` compiles its first step only).
-    decoding = [(p, m) for p, m in zip(prompt_lens, max_tokens, strict=True) if m >= 2]
-    if not decoding:
-        return shapes
-    running = min(len(decoding), max_num_seqs)
-    shortest = min(p for p, _ in decoding) + 1
-    longest = max(p + m - 1 for p, m in decoding)
-    counts: dict[tuple[int, int], list[int]] = {}
-    for n in range(1, running + 1):
-        key = (bucket(n, builder.token_buckets), bucket(n, builder.seq_buckets))
-        counts.setdefault(key, []).append(n)
-    for (t, s), ns in sorted(counts.items(), reverse=True):
-        if builder.decode_chunk_blocks:
-            chunk_buckets = builder.decode_chunk_buckets(s)
-            lo = bucket(min(ns) * builder.chunks_of(shortest), chunk_buckets)
-            hi = bucket(max(ns) * builder.chunks_of(longest), chunk_buckets)
-            met = [(t, s, wide, c, 0) for c in chunk_buckets if lo <= c <= hi]
-        else:
-            lo, hi = blocks(shortest), blocks(longest)
-            met = [(t, s, b, 0, 0) for b in builder.block_buckets if lo <= b <= hi]
-        shapes.extend(shape for shape in met if shape not in shapes)
+        scheduled, out = sched.schedule(state)
+        if out.total_num_scheduled_tokens == 0:
+            break  # waiting on something outside the core (a KV load): the rest compiles when met
+        q_lens, kv_lens, rows = [], [], []
+        for row in (*out.scheduled_new_reqs, *out.scheduled_cached_reqs):
+            n = out.num_scheduled_tokens[row.req_id]
+            end = row.num_computed_tokens + n
+            q_lens.append(n)
+            kv_lens.append(end)
+            # A row samples when its scheduled tokens reach past every token it has.
+            sampled = end >= state.requests[row.req_id].num_tokens
+            rows.append((row.req_id, (token,) if sampled else ()))
+        shape = builder.shape(q_lens, kv_lens)
+        if shape not in shapes:
+            shapes.append(shape)
+        output = ModelRunnerOutput(
+            req_ids=tuple(r for r, _ in rows), sampled_token_ids=tuple(t for _, t in rows)
+        )
+        state, _ = sched.update(scheduled, out, output)
     return shapes
 
 
@@ -143,6 +115,12 @@ def sampler_key(runner, sampling_params) -> tuple:
     )
 
 
+def compiles_up_front(runner) -> bool:
+    """Whether precompile serves `runner`: not for a step that takes more than a text batch (a
+    vision-language model's encoder fields) or runs over several devices."""
+    return runner.encoder_path is None and runner.placement is None
+
+
 def precompile(
     runner,
     shapes: Sequence[Shape],
@@ -157,7 +135,7 @@ def precompile(
     encoder fields) or runs over several devices: their shapes compile when met."""
     from runtime.runner.model_runner import _step
 
-    if runner.encoder_path is not None or runner.placement is not None:
+    if not compiles_up_front(runner):
         return False
     k = logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size)
     for shape in shapes:
