@@ -52,21 +52,18 @@ def planned_shapes(state, builder: BatchBuilder, *, max_steps: int = PLANNED_STE
         scheduled, out = sched.schedule(state)
         if out.total_num_scheduled_tokens == 0:
             break  # waiting on something outside the core (a KV load): the rest compiles when met
-        q_lens, kv_lens, rows = [], [], []
-        for row in (*out.scheduled_new_reqs, *out.scheduled_cached_reqs):
-            n = out.num_scheduled_tokens[row.req_id]
-            end = row.num_computed_tokens + n
-            q_lens.append(n)
-            kv_lens.append(end)
-            # A row samples when its scheduled tokens reach past every token it has.
-            sampled = end >= state.requests[row.req_id].num_tokens
-            rows.append((row.req_id, (token,) if sampled else ()))
+        rows = (*out.scheduled_new_reqs, *out.scheduled_cached_reqs)
+        q_lens = [out.num_scheduled_tokens[row.req_id] for row in rows]
+        kv_lens = [row.num_computed_tokens + n for row, n in zip(rows, q_lens, strict=True)]
         shape = builder.shape(q_lens, kv_lens)
         if shape not in shapes:
             shapes.append(shape)
-        output = ModelRunnerOutput(
-            req_ids=tuple(r for r, _ in rows), sampled_token_ids=tuple(t for _, t in rows)
+        # A row samples when its scheduled tokens reach past every token it has.
+        sampled = tuple(
+            (token,) if end >= state.requests[row.req_id].num_tokens else ()
+            for row, end in zip(rows, kv_lens, strict=True)
         )
+        output = ModelRunnerOutput(tuple(row.req_id for row in rows), sampled)
         state, _ = sched.update(scheduled, out, output)
     return shapes
 
