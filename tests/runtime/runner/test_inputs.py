@@ -45,6 +45,21 @@ def test_context_buckets_take_half_steps_and_end_at_the_table_width():
         assert blocks <= padded < 1.5 * blocks or padded == 63
 
 
+def test_decode_rows_pad_to_half_steps_not_powers_of_two():
+    """A decode step's matmuls and LM head cost its padded rows: 40 rows run as 48, not 64."""
+    bb = BatchBuilder(
+        block_size=16, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048
+    )
+    for rows, tokens, seqs in (
+        (40, 48, 48),
+        (20, 24, 24),
+        (33, 48, 48),
+        (49, 64, 64),
+        (10, 16, 12),
+    ):
+        assert bb.shape([1] * rows, [100] * rows)[:2] == (tokens, seqs), rows
+
+
 def test_mixed_prefill_chunk_and_decode_layout():
     bb = BatchBuilder(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
     rows = {
