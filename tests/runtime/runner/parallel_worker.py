@@ -113,7 +113,10 @@ def main() -> None:
         result = host(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    print(json.dumps(result), flush=True)
+    # One write, line and newline together: with PYTHONUNBUFFERED print() writes the two
+    # apart, and Gloo's C++ side once wrote its own line between them.
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def _last_json(stdout: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if not lines:
         raise AssertionError(f"no JSON line in the child's stdout:\n{stdout}")
-    return json.loads(lines[-1])
+    # raw_decode: text another writer appended to the line after the JSON is left out.
+    return json.JSONDecoder().raw_decode(lines[-1])[0]
 
 
 @pytest.fixture(scope="module")
