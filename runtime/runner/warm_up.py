@@ -124,16 +124,13 @@ def precompile(
     sampling_params,
     *,
     done: Callable[[Shape], None] = lambda shape: None,
-) -> bool:
+) -> None:
     """Compile `runner`'s step for each shape, for requests sampling with `sampling_params`
     (its static sampler flags and logprobs width are part of the program). Nothing runs: the
-    step is lowered and compiled, which fills the jitted step's own cache. Returns False, doing
-    nothing, for a runner whose step takes more than a text batch (a vision-language model's
-    encoder fields) or runs over several devices: their shapes compile when met."""
+    step is lowered and compiled, which fills the jitted step's own cache. For a runner
+    `compiles_up_front` accepts (the caller asks first, before it plans any shape)."""
     from runtime.runner.model_runner import _step
 
-    if not compiles_up_front(runner):
-        return False
     k = logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size)
     for shape in shapes:
         batch = ModelBatch(
@@ -152,4 +149,3 @@ def precompile(
         ).compile()
         log.info("compiled batch shape: tokens=%d seqs=%d blocks/seq=%d chunks=%d pairs=%d", *shape)
         done(shape)
-    return True
