@@ -152,7 +152,7 @@ def _encoder_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
         return WeightSpec((*ours, *path), ((hf + name, (size,)),))
 
     def matrix(path: tuple, name: str, out: int, inp: int) -> WeightSpec:
-        return WeightSpec((*ours, *path, "kernel"), ((hf + name, (out, inp)),), True)
+        return WeightSpec((*ours, *path, "weight"), ((hf + name, (out, inp)),))
 
     emb = "embeddings."
     specs = [
@@ -175,9 +175,8 @@ def _encoder_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
         qkv = ("query", "key", "value")
         specs += [
             WeightSpec(
-                (*ours, *at, "qkv", "kernel"),
+                (*ours, *at, "qkv", "weight"),
                 tuple((f"{hf}{attn}self.{n}.weight", (h, h)) for n in qkv),
-                True,
             ),
             WeightSpec(
                 (*ours, *at, "qkv", "bias"),
@@ -258,9 +257,9 @@ class BertForSequenceClassification(nnx.Module):
         h, n = c.hidden_size, c.num_labels
         return (
             *_encoder_specs(c, "bert.", ("encoder",)),
-            WeightSpec(("pooler", "kernel"), (("bert.pooler.dense.weight", (h, h)),), True),
+            WeightSpec(("pooler", "weight"), (("bert.pooler.dense.weight", (h, h)),)),
             WeightSpec(("pooler", "bias"), (("bert.pooler.dense.bias", (h,)),)),
-            WeightSpec(("classifier", "kernel"), (("classifier.weight", (n, h)),), True),
+            WeightSpec(("classifier", "weight"), (("classifier.weight", (n, h)),)),
             WeightSpec(("classifier", "bias"), (("classifier.bias", (n,)),)),
         )
 

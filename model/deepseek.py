@@ -171,9 +171,8 @@ class DeepseekV3ForCausalLM(nnx.Module):
         def linear(name, out_features, in_features, bias=False):
             out = [
                 WeightSpec(
-                    (*ours, name, "kernel"),
+                    (*ours, name, "weight"),
                     ((f"{hf}{name}.weight", (out_features, in_features)),),
-                    True,
                 )
             ]
             if bias:

@@ -73,7 +73,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             ("weights_proj", (num_heads, c.hidden_size)),
         )
         specs = [
-            WeightSpec((*ours, name, "kernel"), ((f"{hf}{name}.weight", shape),), True)
+            WeightSpec((*ours, name, "weight"), ((f"{hf}{name}.weight", shape),))
             for name, shape in linears
         ]
         specs += [

@@ -133,12 +133,11 @@ def gemma_specs(c: ModelConfig, hf: str, ours: tuple) -> list[WeightSpec]:
         qkv = (("q", nq), ("k", nkv), ("v", nkv))
         specs += [
             WeightSpec(
-                (*at, "self_attn", "qkv_proj", "kernel"),
+                (*at, "self_attn", "qkv_proj", "weight"),
                 tuple((f"{attn}{n}_proj.weight", (o, h)) for n, o in qkv),
-                True,
             ),
             WeightSpec(
-                (*at, "self_attn", "o_proj", "kernel"), ((attn + "o_proj.weight", (h, nq)),), True
+                (*at, "self_attn", "o_proj", "weight"), ((attn + "o_proj.weight", (h, nq)),)
             ),
             *gated_mlp_specs((*at, "mlp"), layer + "mlp", h, inter),
         ]

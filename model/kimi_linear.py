@@ -346,7 +346,7 @@ class KimiLinearForCausalLM(nnx.Module):
 
 
 def _linear(path: tuple, name: str, out_features: int, in_features: int) -> WeightSpec:
-    return WeightSpec((*path, "kernel"), ((f"{name}.weight", (out_features, in_features)),), True)
+    return WeightSpec((*path, "weight"), ((f"{name}.weight", (out_features, in_features)),))
 
 
 def _kda_specs(s: KDAShape, hf: str, ours: tuple) -> list[WeightSpec]:
@@ -358,9 +358,8 @@ def _kda_specs(s: KDAShape, hf: str, ours: tuple) -> list[WeightSpec]:
     )  # fmt: skip
     return [
         WeightSpec(
-            (*ours, "in_proj", "kernel"),
+            (*ours, "in_proj", "weight"),
             tuple((f"{hf}{n}.weight", (rows, d)) for n, rows in inputs),
-            True,
         ),
         WeightSpec(
             (*ours, "conv_weight"),

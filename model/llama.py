@@ -144,9 +144,8 @@ class LlamaForCausalLM(nnx.Module):
             qkv = (("q", nq), ("k", nkv), ("v", nkv))
             specs.append(
                 WeightSpec(
-                    (*ours, "self_attn", "qkv_proj", "kernel"),
+                    (*ours, "self_attn", "qkv_proj", "weight"),
                     tuple((f"{attn}{n}_proj.weight", (o, h)) for n, o in qkv),
-                    True,
                 )
             )
             if cls.qkv_bias(c):
@@ -158,9 +157,7 @@ class LlamaForCausalLM(nnx.Module):
                 )
             specs.append(
                 WeightSpec(
-                    (*ours, "self_attn", "o_proj", "kernel"),
-                    ((attn + "o_proj.weight", (h, nq)),),
-                    True,
+                    (*ours, "self_attn", "o_proj", "weight"), ((attn + "o_proj.weight", (h, nq)),)
                 )
             )
             if cls.o_bias(c):

@@ -181,9 +181,10 @@ def check_float_dtypes(config: ModelConfig, tensors: dict[str, TensorInfo]) -> N
 
 
 def _join(spec: WeightSpec, parts: list[np.ndarray]) -> np.ndarray:
+    """The sources side by side on the output axis (weight_spec.py)."""
     if spec.transpose:
         parts = [a.T for a in parts]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1 if spec.transpose else 0)
 
 
 def _assemble(spec: WeightSpec, reader: _Reader, dtype: np.dtype) -> np.ndarray:

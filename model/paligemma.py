@@ -128,9 +128,8 @@ class PaliGemmaForConditionalGeneration(nnx.Module):
         return (
             *siglip_specs(vision, hf + "vision_tower.", ("vision_tower",)),
             WeightSpec(
-                ("multi_modal_projector", "kernel"),
+                ("multi_modal_projector", "weight"),
                 ((proj + "weight", (c.hidden_size, vision.hidden_size)),),
-                True,
             ),
             WeightSpec(("multi_modal_projector", "bias"), ((proj + "bias", (c.hidden_size,)),)),
             *gemma_specs(c, hf + "language_model.model.", ("language_model",)),
@@ -180,9 +179,8 @@ class ColPaliForRetrieval(PaliGemmaForConditionalGeneration):
         return (
             *super().hf_weight_specs(c),
             WeightSpec(
-                ("embedding_proj_layer", "kernel"),
+                ("embedding_proj_layer", "weight"),
                 (("embedding_proj_layer.weight", (dim, c.hidden_size)),),
-                True,
             ),
             WeightSpec(("embedding_proj_layer", "bias"), (("embedding_proj_layer.bias", (dim,)),)),
         )

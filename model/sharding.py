@@ -10,13 +10,13 @@ The runner traces the model under `jax.set_mesh(mesh)`; the layers read the mesh
 one-device model. Weights are placed by the rule table of their family (`weight_rules`, one regex
 over the '/'-joined parameter path per row), the layout vLLM's parallel linears use:
 
-- attention: q heads and KV heads over the group (the fused q/k/v columns and the o_proj rows), so
+- attention: q heads and KV heads over the group (the fused q/k/v outputs and the o_proj inputs), so
   T must divide the KV heads (vLLM would replicate KV heads instead; we refuse);
-- MLP and shared experts: the intermediate over the group (gate/up columns, down_proj rows);
+- MLP and shared experts: the intermediate over the group (gate/up outputs, down_proj inputs);
 - routed experts: the intermediate over the group, or with `expert_parallel` whole experts;
 - embedding and LM head: by vocabulary rows (replicated when T does not divide the vocabulary);
-- MLA (DeepSeek): q heads over the group (q_b_proj / q_proj columns, kv_b_proj columns, o_proj
-  rows); the latent projection and the latent cache are replicated, as in vLLM.
+- MLA (DeepSeek): q heads over the group (q_b_proj / q_proj outputs, kv_b_proj outputs, o_proj
+  inputs); the latent projection and the latent cache are replicated, as in vLLM.
 
 A fused projection (q/k/v, gate/up) keeps its parts side by side on the output axis. Split into T
 contiguous shards that would give one device all of q and another all of v, so the loader lays a
@@ -24,7 +24,7 @@ fused weight out shard by shard (`interleave`: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
 splits its output the same way (`split_fused`). With T = 1 both are the identity: the one-device
 layout is unchanged.
 
-Each row-split matmul leaves partial sums that one all-reduce adds up: two per Llama layer (o_proj,
+Each input-split matmul leaves partial sums that one all-reduce adds up: two per Llama layer (o_proj,
 down_proj), plus one for the vocabulary-split embedding lookup; the logits are gathered once, for
 sampling (`replicated`).
 """
@@ -53,8 +53,13 @@ class ShardingError(ConfigError):
 @dataclass(frozen=True, slots=True)
 class Rule:
     """Parameters whose '/'-joined path matches `pattern` are split by `spec` (one entry per array
-    axis: GROUP or None). `fused`: the sizes of the parts joined along the last axis, laid out shard
-    by shard (`interleave`)."""
+    axis: GROUP or None). `fused`: the sizes of the parts joined along the split axis, laid out
+    shard by shard (`interleave`)."""
+
+    @property
+    def axis(self) -> int:
+        """The axis split over the group."""
+        return self.spec.index(GROUP)
 
     pattern: str
     spec: tuple
@@ -114,19 +119,21 @@ def split_fused(y: jax.Array, sizes: Sequence[int], tp: int) -> list[jax.Array]:
     ]
 
 
-def interleave(array: np.ndarray, sizes: Sequence[int], tp: int) -> np.ndarray:
-    """A fused weight [..., sum(sizes)] (parts side by side) laid out shard by shard: shard i is
-    [part_0 block i | part_1 block i | ...], so a contiguous split over `tp` devices gives each
-    device its slice of every part. The identity for tp = 1."""
+def interleave(array: np.ndarray, sizes: Sequence[int], tp: int, axis: int = -1) -> np.ndarray:
+    """A fused weight with `sizes` parts side by side along `axis` laid out shard by shard along
+    it: shard i is [part_0 block i | part_1 block i | ...], so a contiguous split over `tp`
+    devices gives each device its slice of every part. The identity for tp = 1."""
     if tp == 1:
         return array
-    lead = array.shape[:-1]
+    moved = np.moveaxis(array, axis, -1)
+    lead = moved.shape[:-1]
     bounds = np.cumsum([0, *sizes])
     parts = [
-        array[..., a:b].reshape(*lead, tp, (b - a) // tp)
+        moved[..., a:b].reshape(*lead, tp, (b - a) // tp)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]
-    return np.concatenate(parts, axis=-1).reshape(*lead, sum(sizes))
+    laid = np.concatenate(parts, axis=-1).reshape(*lead, sum(sizes))
+    return np.moveaxis(laid, -1, axis)
 
 
 # Per-family rule tables.
@@ -138,12 +145,12 @@ def _llama_rules(config, tp: int, expert_parallel: bool) -> tuple[Rule, ...]:
     inter = config.intermediate_size
     return (
         *_vocab_rules(config, tp),
-        Rule(r"self_attn/qkv_proj/kernel", (None, GROUP), (nq, nkv, nkv)),
+        Rule(r"self_attn/qkv_proj/weight", (GROUP, None), (nq, nkv, nkv)),
         Rule(r"self_attn/qkv_proj/bias", (GROUP,), (nq, nkv, nkv)),
-        Rule(r"self_attn/o_proj/kernel", (GROUP, None)),
-        Rule(r"mlp/gate_up_proj/kernel", (None, GROUP), (inter, inter)),
+        Rule(r"self_attn/o_proj/weight", (None, GROUP)),
+        Rule(r"mlp/gate_up_proj/weight", (GROUP, None), (inter, inter)),
         Rule(r"mlp/gate_up_proj/bias", (GROUP,), (inter, inter)),
-        Rule(r"mlp/down_proj/kernel", (GROUP, None)),
+        Rule(r"mlp/down_proj/weight", (None, GROUP)),
     )
 
 
@@ -154,20 +161,20 @@ def _deepseek_rules(config, tp: int, expert_parallel: bool) -> tuple[Rule, ...]:
     rules = [
         *_vocab_rules(config, tp),
         # MLA: the per-head projections; the latent path stays replicated.
-        Rule(r"self_attn/(q_proj|q_b_proj)/kernel", (None, GROUP)),
-        Rule(r"self_attn/kv_b_proj/kernel", (None, GROUP)),
-        Rule(r"self_attn/o_proj/kernel", (GROUP, None)),
+        Rule(r"self_attn/(q_proj|q_b_proj)/weight", (GROUP, None)),
+        Rule(r"self_attn/kv_b_proj/weight", (GROUP, None)),
+        Rule(r"self_attn/o_proj/weight", (None, GROUP)),
         # Dense layers (below first_k_dense_replace).
-        Rule(r"^model/layers/\d+/mlp/gate_up_proj/kernel", (None, GROUP), (inter, inter)),
-        Rule(r"^model/layers/\d+/mlp/down_proj/kernel", (GROUP, None)),
+        Rule(r"^model/layers/\d+/mlp/gate_up_proj/weight", (GROUP, None), (inter, inter)),
+        Rule(r"^model/layers/\d+/mlp/down_proj/weight", (None, GROUP)),
     ]
     if "n_routed_experts" in config.hf_config or "moe_intermediate_size" in config.hf_config:
         s = moe_settings(config)
         shared = s.n_shared_experts * s.moe_intermediate_size
         moe_inter = s.moe_intermediate_size
         rules += [
-            Rule(r"mlp/shared_experts/gate_up_proj/kernel", (None, GROUP), (shared, shared)),
-            Rule(r"mlp/shared_experts/down_proj/kernel", (GROUP, None)),
+            Rule(r"mlp/shared_experts/gate_up_proj/weight", (GROUP, None), (shared, shared)),
+            Rule(r"mlp/shared_experts/down_proj/weight", (None, GROUP)),
         ]
         if expert_parallel:
             rules += [

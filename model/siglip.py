@@ -181,18 +181,17 @@ def siglip_specs(cfg: VisionConfig, hf: str, ours: tuple) -> list[WeightSpec]:
         qkv = ("q", "k", "v")
         specs += [
             WeightSpec(
-                (*at, "qkv_proj", "kernel"),
+                (*at, "qkv_proj", "weight"),
                 tuple((f"{attn}{n}_proj.weight", (h, h)) for n in qkv),
-                True,
             ),
             WeightSpec(
                 (*at, "qkv_proj", "bias"), tuple((f"{attn}{n}_proj.bias", (h,)) for n in qkv)
             ),
-            WeightSpec((*at, "out_proj", "kernel"), ((attn + "out_proj.weight", (h, h)),), True),
+            WeightSpec((*at, "out_proj", "weight"), ((attn + "out_proj.weight", (h, h)),)),
             WeightSpec((*at, "out_proj", "bias"), ((attn + "out_proj.bias", (h,)),)),
-            WeightSpec((*at, "fc1", "kernel"), ((layer + "mlp.fc1.weight", (inter, h)),), True),
+            WeightSpec((*at, "fc1", "weight"), ((layer + "mlp.fc1.weight", (inter, h)),)),
             WeightSpec((*at, "fc1", "bias"), ((layer + "mlp.fc1.bias", (inter,)),)),
-            WeightSpec((*at, "fc2", "kernel"), ((layer + "mlp.fc2.weight", (h, inter)),), True),
+            WeightSpec((*at, "fc2", "weight"), ((layer + "mlp.fc2.weight", (h, inter)),)),
             WeightSpec((*at, "fc2", "bias"), ((layer + "mlp.fc2.bias", (h,)),)),
         ]
         for n in ("layer_norm1", "layer_norm2"):

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 class WeightSpec:
     path: tuple  # the parameter's path in the model's nnx state
     sources: tuple[tuple[str, tuple[int, ...]], ...]  # (HF tensor name, expected shape on disk)
-    # HF stores linear weights [out, in]; our kernels are [in, out]. Several sources are joined
-    # along the output axis (fused q/k/v and gate/up projections).
+    # Several sources are joined along the output axis (fused q/k/v and gate/up projections):
+    # axis 0 of HF's [out, in] linear weights, which Linear keeps as they are. `transpose`: the
+    # parameter is an [in, out] kernel (MoE router and routed experts), each source transposed
+    # and joined along the last axis.
     transpose: bool = False
     # When > 0, the sources are this many equal consecutive runs, each joined as above into one
     # entry of a new leading axis: MoE experts, stored one tensor per expert on disk, kept stacked.
@@ -57,17 +59,15 @@ def gated_mlp_specs(
     (e.g. "model.layers.0.mlp"); gate and up fused as the module keeps them."""
     return [
         WeightSpec(
-            (*module_path, "gate_up_proj", "kernel"),
+            (*module_path, "gate_up_proj", "weight"),
             (
                 (f"{hf_prefix}.gate_proj.weight", (inter, hidden)),
                 (f"{hf_prefix}.up_proj.weight", (inter, hidden)),
             ),
-            True,
         ),
         WeightSpec(
-            (*module_path, "down_proj", "kernel"),
+            (*module_path, "down_proj", "weight"),
             ((f"{hf_prefix}.down_proj.weight", (hidden, inter)),),
-            True,
         ),
     ]
 

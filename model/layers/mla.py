@@ -329,6 +329,8 @@ class MLAttention(nnx.Module):
         return self.output(out), (cache,)
 
     def _kv_b(self) -> jax.Array:
-        """kv_b_proj's kernel as [kv_lora_rank, H, nope + v] (per head: W_UK then W_UV)."""
+        """kv_b_proj's weight as [kv_lora_rank, H, nope + v] (per head: W_UK then W_UV). XLA:CPU
+        has no bf16 dot for the absorbed products taking it as [H, nope + v, kv_lora_rank]."""
         s = self.shape
-        return self.kv_b_proj.kernel[...].reshape(s.kv_lora_rank, s.num_heads, -1)
+        w = self.kv_b_proj.weight[...].reshape(s.num_heads, -1, s.kv_lora_rank)
+        return w.transpose(2, 0, 1)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ConfigError, ModelConfig
 from model.layers.grouped_experts import expert_mlp
+from model.layers.linear import project
 from model.layers.mlp import GatedMLP
 from model.sharding import GROUP, on_each_device, on_mesh
 from model.weight_spec import WeightSpec
@@ -172,7 +173,7 @@ class DeepseekMoE(nnx.Module):
         # HF keeps the router in float32 whatever the model dtype (_keep_in_fp32_modules_strict).
         self.router_kernel = nnx.Param(jnp.zeros((h, e), jnp.float32))
         self.score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32))
-        # Experts stacked on a leading axis, kernels [in, out] like Linear; gate and up fused.
+        # Experts stacked on a leading axis, kernels [in, out]; gate and up fused.
         self.experts_gate_up = nnx.Param(jnp.zeros((e, h, 2 * inter), dtype))
         self.experts_down = nnx.Param(jnp.zeros((e, inter, h), dtype))
         self.shared_experts = GatedMLP(h, s.n_shared_experts * inter, bias=False, dtype=dtype)
@@ -205,7 +206,7 @@ class DeepseekMoE(nnx.Module):
             gate_up, down = P(None, None, GROUP), P(None, GROUP, None)
         run = on_each_device(
             functools.partial(_experts_here, expert_parallel=self.expert_parallel),
-            in_specs=(P(), P(), P(), gate_up, down, P(None, GROUP), P(GROUP, None)),
+            in_specs=(P(), P(), P(), gate_up, down, P(GROUP, None), P(None, GROUP)),
             out_specs=P(),
         )
         shared = self.shared_experts
@@ -215,8 +216,8 @@ class DeepseekMoE(nnx.Module):
             weights,
             self.experts_gate_up[...],
             self.experts_down[...],
-            shared.gate_up_proj.kernel[...],
-            shared.down_proj.kernel[...],
+            shared.gate_up_proj.weight[...],
+            shared.down_proj.weight[...],
         )
 
 
@@ -224,7 +225,7 @@ def _experts_here(x, ids, weights, gate_up, down, shared_gate_up, shared_down, *
     """One device's part of the MoE output, all-reduced: its routed experts (expert parallel:
     the pairs of other devices' experts are dropped) or its slice of every expert's
     intermediate, plus its slice of the shared experts (fused gate/up laid out per device,
-    model/sharding.py, so each local kernel is [gate slice | up slice])."""
+    model/sharding.py, so each local weight is [gate slice | up slice])."""
     if expert_parallel:
         here = gate_up.shape[0]
         first = jax.lax.axis_index(GROUP) * here
@@ -236,12 +237,11 @@ def _experts_here(x, ids, weights, gate_up, down, shared_gate_up, shared_down, *
 
 
 def _gated_mlp(x, gate_up, down):
-    """GatedMLP's computation (no bias) on kernels given as arrays."""
-    h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=jnp.float32)
-    h = h.astype(x.dtype)
+    """GatedMLP's computation (no bias) on [out, in] weights given as arrays."""
+    h = project(x, gate_up).astype(x.dtype)
     n = h.shape[-1] // 2
     y = (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(down.dtype)
-    return jnp.dot(y, down, preferred_element_type=jnp.float32).astype(x.dtype)
+    return project(y, down).astype(x.dtype)
 
 
 def moe_weight_specs(
@@ -279,16 +279,14 @@ def moe_weight_specs(
             stacked=e,
         ),
         WeightSpec(
-            (*module_path, "shared_experts", "gate_up_proj", "kernel"),
+            (*module_path, "shared_experts", "gate_up_proj", "weight"),
             (
                 (f"{p}.shared_experts.gate_proj.weight", (shared, h)),
                 (f"{p}.shared_experts.up_proj.weight", (shared, h)),
             ),
-            True,
         ),
         WeightSpec(
-            (*module_path, "shared_experts", "down_proj", "kernel"),
+            (*module_path, "shared_experts", "down_proj", "weight"),
             ((f"{p}.shared_experts.down_proj.weight", (h, shared)),),
-            True,
         ),
     )

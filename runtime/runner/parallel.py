@@ -100,7 +100,7 @@ class Placement:
         rule = sharding.rule_for(rules, path)
         spec = P() if rule is None else P(*rule.spec)
         if rule is not None and rule.fused:
-            array = sharding.interleave(array, rule.fused, self.size)
+            array = sharding.interleave(array, rule.fused, self.size, rule.axis)
         target = NamedSharding(self.mesh, spec)
         # From a callback so that, across processes, each one fills only its own devices' shards.
         return jax.make_array_from_callback(array.shape, target, lambda index: array[index])

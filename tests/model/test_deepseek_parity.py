@@ -247,7 +247,7 @@ def _expanded_oracle(attn: MLAttention, scale: float, x, allowed, cos, sin):
     sequence x [n, hidden] attends token j where allowed[i, j]."""
     s = attn.shape
     h = s.num_heads
-    w = np.asarray(attn.kv_b_proj.kernel[...]).reshape(s.kv_lora_rank, h, -1)
+    w = np.asarray(attn.kv_b_proj.weight[...]).T.reshape(s.kv_lora_rank, h, -1)
     q = attn.q_proj(x) if attn.q_proj is not None else attn.q_b_proj(attn.q_resid(x))
     q_nope = np.asarray(q).reshape(x.shape[0], h, -1)[..., : s.qk_nope_head_dim]
     _, q_pe = attn.project_q(x, cos, sin)

@@ -96,7 +96,7 @@ def _our_indexer(cfg, mod) -> Indexer:
         dtype=jnp.float32,
     )
     for name in ("wq_b", "wk", "weights_proj"):
-        getattr(ours, name).kernel[...] = jnp.asarray(getattr(mod, name).weight.detach().numpy().T)
+        getattr(ours, name).weight[...] = jnp.asarray(getattr(mod, name).weight.detach().numpy())
     ours.k_norm.weight[...] = jnp.asarray(mod.k_norm.weight.detach().numpy())
     ours.k_norm.bias[...] = jnp.asarray(mod.k_norm.bias.detach().numpy())
     return ours

@@ -40,7 +40,7 @@ def _layer(bound, seed=0):
 def _numpy_layer(params, x, bound):
     """One sequence x [n, D] from zero state, one token at a time, in float64."""
     p = {".".join(map(str, k)): np.asarray(v[...], np.float64) for k, v in params}
-    proj = x @ p["in_proj.kernel"]
+    proj = x @ p["in_proj.weight"].T
     c = 3 * H * K
     mixed, f_a, g_a, b = proj[:, :c], proj[:, c : c + K], proj[:, c + K : c + 2 * K], proj[:, -H:]
     w = p["conv_weight"][:, 0]  # [W, C]
@@ -48,7 +48,7 @@ def _numpy_layer(params, x, bound):
     conv = np.stack([(padded[t : t + W] * w).sum(0) for t in range(len(x))])
     conv = conv / (1 + np.exp(-conv))
     q, k, v = (a.reshape(-1, H, K) for a in np.split(conv, 3, axis=1))
-    raw = (f_a @ p["f_b_proj.kernel"]).reshape(-1, H, K) + p["dt_bias"].reshape(H, K)
+    raw = (f_a @ p["f_b_proj.weight"].T).reshape(-1, H, K) + p["dt_bias"].reshape(H, K)
     rate = np.exp(p["A_log"].reshape(H))[:, None]
     g = -rate * np.log1p(np.exp(raw)) if bound is None else bound / (1 + np.exp(-rate * raw))
     beta = 1 / (1 + np.exp(-b))
@@ -62,10 +62,10 @@ def _numpy_layer(params, x, bound):
         s = s + k[t][:, :, None] * u[:, None, :]
         out.append(np.einsum("hkv,hk->hv", s, q[t]))
     o = np.stack(out)
-    gate = (g_a @ p["g_b_proj.kernel"]).reshape(-1, H, K)
+    gate = (g_a @ p["g_b_proj.weight"].T).reshape(-1, H, K)
     o = o / np.sqrt((o * o).mean(-1, keepdims=True) + 1e-5) * p["o_norm"]
     o = o / (1 + np.exp(-gate))
-    return o.reshape(len(x), H * K) @ p["o_proj.kernel"]
+    return o.reshape(len(x), H * K) @ p["o_proj.weight"].T
 
 
 @pytest.mark.parametrize("bound", [None, -5.0])

@@ -43,14 +43,14 @@ def test_loads_by_hf_names_with_fused_projections(ckpt):
     _, state = _load(ckpt)
     flat = _flat(state)
     attn = "model.layers.1.self_attn."
-    qkv = np.concatenate([disk[attn + f"{n}_proj.weight"].T for n in "qkv"], axis=1)
+    qkv = np.concatenate([disk[attn + f"{n}_proj.weight"] for n in "qkv"], axis=0)
     np.testing.assert_array_equal(
-        flat[("model", "layers", 1, "self_attn", "qkv_proj", "kernel")], qkv
+        flat[("model", "layers", 1, "self_attn", "qkv_proj", "weight")], qkv
     )
     mlp = "model.layers.0.mlp."
-    gate_up = np.concatenate([disk[mlp + "gate_proj.weight"].T, disk[mlp + "up_proj.weight"].T], 1)
+    gate_up = np.concatenate([disk[mlp + "gate_proj.weight"], disk[mlp + "up_proj.weight"]], 0)
     np.testing.assert_array_equal(
-        flat[("model", "layers", 0, "mlp", "gate_up_proj", "kernel")], gate_up
+        flat[("model", "layers", 0, "mlp", "gate_up_proj", "weight")], gate_up
     )
     np.testing.assert_array_equal(flat[("lm_head", "weight")], disk["lm_head.weight"])
     assert all(a.dtype == np.float32 for a in flat.values())

@@ -276,8 +276,8 @@ def test_loads_per_expert_tensors_stacked(checkpoint):
         np.asarray(moe.score_correction_bias[...]), disk[p + "gate.e_score_correction_bias"]
     )
     np.testing.assert_array_equal(
-        np.asarray(moe.shared_experts.down_proj.kernel[...]),
-        disk[p + "shared_experts.down_proj.weight"].T,
+        np.asarray(moe.shared_experts.down_proj.weight[...]),
+        disk[p + "shared_experts.down_proj.weight"],
     )
     bf16 = _load_moe(path, "bfloat16")
     assert bf16.experts_gate_up[...].dtype == jnp.bfloat16

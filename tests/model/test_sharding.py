@@ -14,7 +14,7 @@ from model.sharding import interleave, split_fused
 
 def test_interleave_puts_each_part_slice_on_its_shard_and_split_fused_undoes_it():
     rng = np.random.default_rng(0)
-    sizes = (8, 4, 4)  # q, k, v columns
+    sizes = (8, 4, 4)  # q, k, v outputs
     w = rng.standard_normal((3, sum(sizes))).astype(np.float32)
     parts = np.split(w, np.cumsum(sizes)[:-1], axis=-1)
     for tp in (1, 2, 4):
@@ -26,6 +26,11 @@ def test_interleave_puts_each_part_slice_on_its_shard_and_split_fused_undoes_it(
         for got, part in zip(split_fused(jnp.asarray(laid), sizes, tp), parts, strict=True):
             np.testing.assert_array_equal(np.asarray(got), part)
     np.testing.assert_array_equal(interleave(w, sizes, 1), w)
+    # An [out, in] weight's parts lie along axis 0: laid out as its transpose is along the last.
+    for tp in (2, 4):
+        np.testing.assert_array_equal(
+            interleave(w.T, sizes, tp, axis=0), interleave(w, sizes, tp).T
+        )
 
 
 @pytest.fixture(scope="module")
