@@ -12,8 +12,7 @@ class WeightSpec:
     # Several sources are joined along the output axis (fused q/k/v and gate/up projections):
     # axis 0 of HF's [out, in] linear weights, which Linear keeps as they are. `transpose`: the
     # parameter is laid out transposed (the MoE router's and routed experts' [in, out] kernels,
-    # KDA's conv taps), each source transposed
-    # and joined along the last axis.
+    # KDA's conv taps), each source transposed and joined along the last axis.
     transpose: bool = False
     # When > 0, the sources are this many equal consecutive runs, each joined as above into one
     # entry of a new leading axis: MoE experts, stored one tensor per expert on disk, kept stacked.
