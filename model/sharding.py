@@ -56,14 +56,14 @@ class Rule:
     axis: GROUP or None). `fused`: the sizes of the parts joined along the split axis, laid out
     shard by shard (`interleave`)."""
 
+    pattern: str
+    spec: tuple
+    fused: tuple[int, ...] = ()
+
     @property
     def axis(self) -> int:
         """The axis split over the group."""
         return self.spec.index(GROUP)
-
-    pattern: str
-    spec: tuple
-    fused: tuple[int, ...] = ()
 
 
 # The mesh the model is traced under.
