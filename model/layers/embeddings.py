@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import compute
+from model.layers.linear import project
 
 
 class Embedding(nnx.Module):
@@ -21,7 +21,4 @@ def lm_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
     """hidden [R, H] x weight [V, H] -> f32 logits [R, V], accumulated in f32 and rounded to the
     activation dtype first, as HF's LM head (a bf16 Linear) rounds them before they are cast to
     f32: a bf16 model's greedy choice is made between bf16 logits, ties going to the lower id."""
-    dtype = hidden.dtype
-    hidden, weight = compute.dot_operands(hidden, weight)
-    logits = jnp.einsum("rh,vh->rv", hidden, weight, preferred_element_type=jnp.float32)
-    return logits.astype(dtype).astype(jnp.float32)
+    return project(hidden, weight).astype(hidden.dtype).astype(jnp.float32)
