@@ -89,9 +89,9 @@ class GemmaTextModel(DecoderStack):
         self.hidden_size = cfg.hidden_size
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
-        """Token embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype."""
-        table = self.embed_tokens.weight[...]
-        return jnp.take(table, token_ids, axis=0) * jnp.asarray(self.hidden_size**0.5, table.dtype)
+        """Token embeddings times sqrt(hidden_size), the factor rounded to the model's dtype."""
+        x = self.embed_tokens(token_ids)
+        return x * jnp.asarray(self.hidden_size**0.5, x.dtype)
 
     def __call__(
         self,

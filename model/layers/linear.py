@@ -26,7 +26,8 @@ def project(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype):
-        self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
+        # f32 for a bf16 model where this host widens its weights once (model/layers/compute.py).
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), compute.weight_dtype(dtype)))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:

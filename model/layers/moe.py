@@ -240,7 +240,7 @@ def _gated_mlp(x, gate_up, down):
     """GatedMLP's computation (no bias) on [out, in] weights given as arrays."""
     h = project(x, gate_up).astype(x.dtype)
     n = h.shape[-1] // 2
-    y = (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(down.dtype)
+    y = (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(x.dtype)
     return project(y, down).astype(x.dtype)
 
 

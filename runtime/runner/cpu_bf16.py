@@ -13,6 +13,9 @@ kind of host whatever machine runs the tests:
   cost is the paged-attention gathers and scatters, and XLA:CPU moves bf16 through them slowly
   (measured: a whole bf16 step with bf16 caches ran 3.7x slower than with f32 caches); on AVX2 bf16
   caches would add conversions to each gather as well; bf16 keys and values are exact in f32.
+- whether a model whose operands are widened also keeps its dense weights in f32, widened once at
+  load instead of in every dot (model/layers/compute.py): where the f32 copy takes at most half
+  the memory available, since it doubles the weights' bytes.
 No XLA:CPU option is changed: --xla_cpu_use_onednn and --xla_cpu_use_xnnpack were measured on the
 AVX2 host and neither made the bf16 dots reach the widened ones; fast math would change values.
 """
@@ -65,6 +68,37 @@ def choose(flags: frozenset[str]) -> Bf16Choice:
         "no avx2: no bf16 dots, so operands are widened to f32 once as on avx2, and caches are "
         "f32, the layout measured to be fast on every CPU",
     )
+
+
+def keep_weights_wide(num_weights: int | None, available_bytes: int | None) -> tuple[bool, str]:
+    """Whether a bf16 model of `num_weights` parameters, on a host that widens its operands, keeps
+    its dense weights in f32, and why."""
+    if num_weights is None or available_bytes is None:
+        unknown = "the checkpoint's size" if num_weights is None else "the memory available"
+        return False, f"{unknown} is unknown, so they stay bf16 and each large dot widens them"
+    need, room = 4 * num_weights / 2**30, available_bytes / 2**30
+    if 4 * num_weights > available_bytes // 2:
+        return False, (
+            f"their f32 copy ({need:.2f} GiB) would take more than half of the {room:.1f} GiB "
+            "available, so they stay bf16 and each large dot widens them"
+        )
+    return True, (
+        f"their f32 copy ({need:.2f} GiB) takes at most half of the {room:.1f} GiB available, "
+        "and no dot then widens them"
+    )
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes; None where it cannot be read."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "MemAvailable" and value.split():
+            return int(value.split()[0]) * 1024  # kB
+    return None
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

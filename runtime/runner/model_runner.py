@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from functools import partial
 
 import immutables
@@ -33,7 +34,7 @@ from model.base import ModelOptions, compute_logits, forward
 from model.batch import ModelBatch
 from model.config import ModelConfig
 from model.layers import compute
-from model.loader import load_model
+from model.loader import LoadError, list_tensors, load_model
 from model.sharding import replicated
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.backends import BackendError
@@ -113,15 +114,31 @@ def model_options(
     model_config: ModelConfig, block_size: int, attention_backend: str
 ) -> ModelOptions:
     """What the runner tells a family beside its checkpoint's config. For a bf16 model on the CPU
-    it also sets what this process computes bf16 operands in, before the model is built and
-    traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py)."""
+    it also sets what this process computes bf16 operands and keeps dense weights in, before the
+    model is built and traced (per host, runner/cpu_bf16.py; the layers read it:
+    model/layers/compute.py)."""
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
-        compute.widen_bf16(cpu_bf16.host_choice().compute_dtype == "float32")
+        widen = cpu_bf16.host_choice().compute_dtype == "float32"
+        wide = False
+        if widen:
+            wide, why = cpu_bf16.keep_weights_wide(
+                _num_weights(model_config.path), cpu_bf16.available_memory()
+            )
+            log.info("bfloat16 weights kept in %s: %s", "float32" if wide else "bfloat16", why)
+        compute.widen_bf16(widen, weights=wide)
     return ModelOptions(
         block_size=block_size,
         cache_dtype=cache_dtype(model_config.dtype, attention_backend),
         attention_backend=attention_backend,
     )
+
+
+def _num_weights(path: str) -> int | None:
+    """The parameters stored in the checkpoint at `path`; None without one (loading says why)."""
+    try:
+        return sum(math.prod(t.shape) for t in list_tensors(path).values())
+    except (LoadError, OSError):
+        return None
 
 
 def model_cache_specs(model_config: ModelConfig, options: ModelOptions) -> tuple:

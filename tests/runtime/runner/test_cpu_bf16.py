@@ -3,11 +3,16 @@ CPU runs the tests: the decision is a function of the flags given, not of this m
 
 import logging
 
-from model.config import from_hf_dict
+import jax
+import numpy as np
+
+from model.base import ModelOptions
+from model.config import ModelConfig, from_hf_dict
 from model.layers import compute
-from model.testing import TINY_COMMON
+from model.loader import load_model
+from model.testing import TINY_COMMON, write_tiny_checkpoint
 from runtime.runner import cpu_bf16
-from runtime.runner.cpu_bf16 import choose, cpu_flags
+from runtime.runner.cpu_bf16 import available_memory, choose, cpu_flags, keep_weights_wide
 from runtime.runner.model_runner import cache_dtype, model_options
 
 _BASE = {"fpu", "sse2", "avx", "fma"}
@@ -68,3 +73,54 @@ def test_the_runner_widens_bf16_operands_only_on_hosts_without_bf16_dots(monkeyp
             assert compute.widening() is widened, flags
     finally:
         compute.widen_bf16(before)
+
+
+def test_dense_weights_are_kept_in_f32_only_where_their_copy_fits():
+    gib = 2**30
+    wide, why = keep_weights_wide(55_000_000, 20 * gib)  # the benchmark Llama, 0.2 GiB in f32
+    assert wide and "0.20 GiB" in why and "20.0 GiB available" in why, why
+    wide, why = keep_weights_wide(7_000_000_000, 40 * gib)  # 26 GiB in f32: over half of 40
+    assert not wide and "26.08 GiB" in why and "stay bf16" in why, why
+    assert keep_weights_wide(gib // 8, gib)[0]  # exactly half
+    assert not keep_weights_wide(gib // 8 + 1, gib)[0]
+    for unknown in ((None, gib), (1000, None)):
+        wide, why = keep_weights_wide(*unknown)
+        assert not wide and "unknown" in why, why
+
+
+def test_available_memory_reads_memavailable(tmp_path):
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemAvailable:   12345678 kB\n")
+    assert available_memory(info) == 12345678 * 1024
+    info.write_text("MemTotal:       24000000 kB\n")
+    assert available_memory(info) is None
+    assert available_memory(tmp_path / "missing") is None
+
+
+def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, monkeypatch, caplog):
+    path = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=1, dtype="bfloat16")
+    config = ModelConfig.from_pretrained(path)
+    monkeypatch.setattr(cpu_bf16, "host_choice", lambda: choose(frozenset(_BASE | {"avx2"})))
+    before = compute.widening(), compute.wide_weights()
+    try:
+        for available, wide in ((2**34, True), (2**10, False), (None, False)):
+            monkeypatch.setattr(cpu_bf16, "available_memory", lambda available=available: available)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="runtime.runner.model_runner"):
+                model_options(config, 16, "auto")
+            assert compute.widening() and compute.wide_weights() is wide, available
+            lines = [r.getMessage() for r in caplog.records if "weights kept in" in r.getMessage()]
+            assert len(lines) == 1, lines
+            assert lines[0].startswith(
+                f"bfloat16 weights kept in {'float32' if wide else 'bfloat16'}"
+            )
+            graphdef, state = load_model(path, config, ModelOptions(block_size=16))
+            dense = {a.dtype for a in jax.tree.leaves(state) if a.ndim == 2}
+            assert dense == {np.dtype("float32" if wide else "bfloat16")}, (available, dense)
+        monkeypatch.setattr(
+            cpu_bf16, "host_choice", lambda: choose(frozenset(_BASE | {"avx512_bf16"}))
+        )
+        model_options(config, 16, "auto")  # native bf16 dots: nothing widened
+        assert not compute.widening() and not compute.wide_weights()
+    finally:
+        compute.widen_bf16(before[0], weights=before[1])
