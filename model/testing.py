@@ -204,28 +204,6 @@ def check_logprobs_close(ours, theirs, atol: float) -> None:
                     assert abs(lps_a[i][tok] - lp) < atol, (i, tok, lps_a[i][tok], lp)
 
 
-def check_greedy_same_until_a_tie(ours, theirs, tie: float) -> None:
-    """Greedy outputs [(token ids, [{token: logprob} per position])] identical, except that a
-    sequence may part where the reference's choice and ours are within `tie` of each other on
-    both sides (a near-tie: summation order alone moves a bf16 logit by an ulp); nothing after a
-    parting is compared. Stricter than vLLM's rule, which takes any pair within each other's
-    top-k."""
-    for s, ((ids_a, lps_a), (ids_b, lps_b)) in enumerate(zip(ours, theirs, strict=True)):
-        for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)):
-            if a == b:
-                continue
-            gaps = [
-                lps[i][x] - lps[i][y]
-                for lps, x, y in ((lps_a, a, b), (lps_b, b, a))
-                if x in lps[i] and y in lps[i]
-            ]
-            assert len(gaps) == 2 and max(gaps) <= tie, (
-                f"sequence {s} parts at position {i}: ours {a}, reference {b}, "
-                f"not a near-tie (gaps {gaps}, tie {tie})"
-            )
-            break
-
-
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
     """One sequence's scheduled tokens this step: `tokens` at positions start, start+1, ..."""

@@ -55,10 +55,26 @@ def weight_dtype(dtype):
     return jnp.float32 if _wide_weights and jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
 
+def exact_f32(x: jax.Array) -> jax.Array:
+    """bf16 `x` in f32, the same values, through its bits. A plain convert right after a rounding
+    to bf16 is a pair XLA's excess-precision pass (on by default) may drop, and the rounding with
+    it: a value HF rounds would then enter the next op unrounded."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def for_weight(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """Activation `x` as a dot with `weight` takes it: bf16 widened exactly where the weight is
+    kept in f32 (`weight_dtype`), else as it is."""
+    if x.dtype == jnp.bfloat16 and weight.dtype == jnp.float32:
+        return exact_f32(x)
+    return x
+
+
 def operand(x: jax.Array) -> jax.Array:
     """`x` as the dots and elementwise chains take it: widened to f32 if it is bf16 and this
     process widens, else unchanged."""
-    return x.astype(jnp.float32) if _widen and x.dtype == jnp.bfloat16 else x
+    return exact_f32(x) if _widen and x.dtype == jnp.bfloat16 else x
 
 
 def dot_operands(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:

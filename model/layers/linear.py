@@ -19,7 +19,8 @@ from model.layers import compute
 
 def project(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] @ weight [out, in].T -> [..., out], accumulated in f32."""
-    x, weight = compute.dot_operands(x.astype(weight.dtype), weight)
+    x = compute.for_weight(x, weight).astype(weight.dtype)
+    x, weight = compute.dot_operands(x, weight)
     contract = (((x.ndim - 1,), (1,)), ((), ()))
     return jax.lax.dot_general(x, weight, contract, preferred_element_type=jnp.float32)
 

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.batch import ModelBatch
 from model.config import ConfigError, ModelConfig, RopeConfig
+from model.layers import compute
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
@@ -243,6 +244,7 @@ class MLAttention(nnx.Module):
         if self.use_rope:
             q_pe = rotate_pe(q_pe, cos, sin, s.rope_interleave)
         w_uk = self._kv_b()[..., : s.qk_nope_head_dim]  # [R, H, nope]
+        q_nope = compute.for_weight(q_nope, w_uk)
         q_lat = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
         return q_lat.astype(x.dtype), q_pe
 
@@ -261,7 +263,8 @@ class MLAttention(nnx.Module):
         s = self.shape
         t = attn_latent.shape[0]
         w_uv = self._kv_b()[..., s.qk_nope_head_dim :]  # [R, H, v]
-        v = jnp.einsum("thr,rhv->thv", attn_latent, w_uv, preferred_element_type=jnp.float32)
+        latent = compute.for_weight(attn_latent, w_uv)
+        v = jnp.einsum("thr,rhv->thv", latent, w_uv, preferred_element_type=jnp.float32)
         return self.o_proj(v.astype(attn_latent.dtype).reshape(t, s.num_heads * s.v_head_dim))
 
     def attend(
