@@ -70,17 +70,20 @@ def choose(flags: frozenset[str]) -> Bf16Choice:
     )
 
 
+_STAY_BF16 = "so they stay bf16 and each large dot widens them"
+
+
 def keep_weights_wide(num_weights: int | None, available_bytes: int | None) -> tuple[bool, str]:
     """Whether a bf16 model of `num_weights` parameters, on a host that widens its operands, keeps
     its dense weights in f32, and why."""
     if num_weights is None or available_bytes is None:
         unknown = "the checkpoint's size" if num_weights is None else "the memory available"
-        return False, f"{unknown} is unknown, so they stay bf16 and each large dot widens them"
+        return False, f"{unknown} is unknown, {_STAY_BF16}"
     need, room = 4 * num_weights / 2**30, available_bytes / 2**30
     if 4 * num_weights > available_bytes // 2:
         return False, (
             f"their f32 copy ({need:.2f} GiB) would take more than half of the {room:.1f} GiB "
-            "available, so they stay bf16 and each large dot widens them"
+            f"available, {_STAY_BF16}"
         )
     return True, (
         f"their f32 copy ({need:.2f} GiB) takes at most half of the {room:.1f} GiB available, "
@@ -88,14 +91,20 @@ def keep_weights_wide(num_weights: int | None, available_bytes: int | None) -> t
     )
 
 
+def _fields(path: Path) -> list[tuple[str, str]]:
+    """(key, value) of each `key: value` line of a /proc file; none where it cannot be read."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    return [
+        (key.strip(), value) for key, _, value in (ln.partition(":") for ln in text.splitlines())
+    ]
+
+
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable in bytes; None where it cannot be read."""
-    try:
-        text = meminfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
+    for key, value in _fields(meminfo):
         if key == "MemAvailable" and value.split():
             return int(value.split()[0]) * 1024  # kB
     return None
@@ -103,13 +112,8 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The flags of the first processor in `cpuinfo`; none where it cannot be read."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / arm64
+    for key, value in _fields(cpuinfo):
+        if key in ("flags", "Features"):  # x86 / arm64
             return frozenset(value.split())
     return frozenset()
 
