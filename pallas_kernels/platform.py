@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from functools import cache
+from pathlib import Path
 
 import jax
 from jax._src import xla_bridge
@@ -29,6 +31,31 @@ def num_cores() -> int:
     if isinstance(count, int) and count > 0:
         return count
     return os.cpu_count() or 1
+
+
+def proc_fields(path: Path) -> list[tuple[str, str]]:
+    """(key, value) of each `key: value` line of a /proc file; none where it cannot be read."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    return [
+        (key.strip(), value) for key, _, value in (ln.partition(":") for ln in text.splitlines())
+    ]
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The flags of the first processor in `cpuinfo`; none where it cannot be read."""
+    for key, value in proc_fields(cpuinfo):
+        if key in ("flags", "Features"):  # x86 / arm64
+            return frozenset(value.split())
+    return frozenset()
+
+
+@cache
+def host_cpu_flags() -> frozenset[str]:
+    """This host's CPU flags, read once."""
+    return cpu_flags()
 
 
 def triton_params(num_warps: int = 4, num_stages: int | None = None) -> plt.CompilerParams:

@@ -21,11 +21,23 @@ Three XLA:CPU costs shape the layout, all measured (64 sequences, contexts 32..1
   a tiny dot, none of the copies); its own head's sum is kept.
 - A chunk of 128 keys: one block per chunk made 16x more, smaller dots and ran 1.4x slower; the
   padding a sequence's last chunk wastes is under a chunk.
-- Keys and values are gathered SLICE_CHUNKS chunks at a time (`lax.map`), each slice's copy
+- Keys and values are gathered a slice of chunks at a time (`lax.map`), each slice's copy
   read by its product while it is still in the CPU's caches: the whole step's gathered copy
   (16 MiB of keys and as much of values at 64 x ~500 tokens) went to memory and back. Two passes,
-  scores then values, with the scores kept whole between them: 7.4 ms per layer against 10.4 for
-  the whole-step gathers (64 sequences, contexts 200..760, f32; 8 chunks a slice 8.2, 32: 7.8).
+  scores then values, with the scores kept whole between them. How much a slice should gather
+  depends on the host (`slice_chunks`), measured per layer with 8 query and 2 kv heads of 64,
+  f32 (64 KiB of keys a chunk), 64 sequences:
+  - 2-core AMD EPYC, AVX2 (512 KiB L2 a core), contexts 200..760: 7.4 ms at 16 chunks a slice
+    (1 MiB of keys), 8.2 at 8, 7.8 at 32, 10.4 for the whole-step gathers.
+  - 2-core Intel Xeon with AVX-512 and AMX (2 MiB L2 a core), contexts 100..600 (median of 15):
+    6.9 ms at 16 chunks, 6.4 at 8, 4.95 at 4, 5.2 at 2, 7.6 at 1; contexts 30..200: 3.5 at 16,
+    2.35 at 4; 400..1000: 13.5 at 16, 9.9 at 3, 11.6 at 4. With one kv head (32 KiB a chunk):
+    10.2 at 16, 5.9 at 2, 6.8 at 4; eight kv heads of 128 (512 KiB): 62.7 at 16, ~59 at 2..8,
+    91.6 at 1. The benchmark Llama's whole offline run: decode steps 50.5-54 ms at 4 and 51.8-55.2
+  at 2, against 56-57.6 at 16.
+  Its XLA fusions (YNNPACK reductions and dots) run faster on small slices there; the AVX2 host
+  was not measured below 8. So a slice holds SLICE_BYTES of keys on an AVX-512 host and
+  SLICE_BYTES_AVX2 elsewhere, at least MIN_SLICE_CHUNKS chunks.
 
 Semantics are the reference's (reference.py): the fast value product is exact whenever its output
 is all finite (a masked key's zero probability, or a probability meeting another kv head's values,
@@ -40,16 +52,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import platform
 from pallas_kernels.bitcast import from_bits, to_bits
 from pallas_kernels.ragged_paged_attention import reference, rounding
 
 CHUNK_KEYS = 128
-SLICE_CHUNKS = 16
+SLICE_BYTES = 128 * 1024  # keys gathered per slice on an AVX-512 host (module docstring)
+SLICE_BYTES_AVX2 = 1024 * 1024  # elsewhere: 16 chunks of 64 KiB, as measured on AVX2
+MIN_SLICE_CHUNKS = 2  # one chunk a slice ran 1.5x slower than two (AVX-512 host)
 
 
 def chunk_blocks(block_size: int) -> int:
     """Blocks per chunk for a cache of this block size: CHUNK_KEYS keys, at least one block."""
     return max(1, CHUNK_KEYS // block_size)
+
+
+def slice_chunks(chunk_bytes: int, flags: frozenset[str]) -> int:
+    """Chunks gathered per slice on a host with these CPU flags, for chunks of `chunk_bytes` of
+    keys (module docstring)."""
+    target = SLICE_BYTES if "avx512f" in flags else SLICE_BYTES_AVX2
+    return max(MIN_SLICE_CHUNKS, target // max(1, chunk_bytes))
+
+
+def host_slice_chunks(k_cache) -> int:
+    """`slice_chunks` for this host and a cache of this shape and dtype."""
+    _, bs, hkv, d = k_cache.shape
+    chunk_bytes = chunk_blocks(bs) * bs * hkv * d * jnp.dtype(k_cache.dtype).itemsize
+    return slice_chunks(chunk_bytes, platform.host_cpu_flags())
 
 
 def live_chunks(kv_lens, block_size: int) -> int:
@@ -115,14 +144,16 @@ def ragged_paged_decode(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     prefix_lens=None,
-    slice_chunks: int = SLICE_CHUNKS,
+    slice_chunks: int | None = None,
 ):
     """The reference's result for a step where every sequence has at most one query token and
     whose live chunks (`live_chunks`) number at most `num_chunks`. A step breaking either promise
     gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
     here: a sequence's one query is its last position, which already sees its whole context.
-    `slice_chunks`: chunks gathered at a time (module docstring); any value gives the same result."""
-    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
+    `slice_chunks`: chunks gathered at a time, this host's choice by default (`host_slice_chunks`);
+    any value gives the same result."""
+    most = slice_chunks or host_slice_chunks(k_cache)
+    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return step.output(*_product(step, k_cache, v_cache, exact=True, **options))
 
@@ -140,11 +171,12 @@ def live_chunk_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    slice_chunks: int = SLICE_CHUNKS,
+    slice_chunks: int | None = None,
 ):
     """(output, broken): the fast product alone, equal to the reference's whenever it is all
     finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
-    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
+    most = slice_chunks or host_slice_chunks(k_cache)
+    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return step.output(*_product(step, k_cache, v_cache, exact=False, **options)), step.broken
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from pallas_kernels.platform import host_cpu_flags, proc_fields
+
 log = logging.getLogger(__name__)
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -91,37 +93,18 @@ def keep_weights_wide(num_weights: int | None, available_bytes: int | None) -> t
     )
 
 
-def _fields(path: Path) -> list[tuple[str, str]]:
-    """(key, value) of each `key: value` line of a /proc file; none where it cannot be read."""
-    try:
-        text = path.read_text()
-    except OSError:
-        return []
-    return [
-        (key.strip(), value) for key, _, value in (ln.partition(":") for ln in text.splitlines())
-    ]
-
-
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable in bytes; None where it cannot be read."""
-    for key, value in _fields(meminfo):
+    for key, value in proc_fields(meminfo):
         if key == "MemAvailable" and value.split():
             return int(value.split()[0]) * 1024  # kB
     return None
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The flags of the first processor in `cpuinfo`; none where it cannot be read."""
-    for key, value in _fields(cpuinfo):
-        if key in ("flags", "Features"):  # x86 / arm64
-            return frozenset(value.split())
-    return frozenset()
-
-
 @cache
 def host_choice() -> Bf16Choice:
     """This host's choice, logged once."""
-    choice = choose(cpu_flags())
+    choice = choose(host_cpu_flags())
     log.info(
         "bfloat16 on this CPU (%s): operands in %s, caches in %s, because %s",
         choice.host,

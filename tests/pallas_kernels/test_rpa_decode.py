@@ -52,7 +52,7 @@ def test_live_chunks_match_reference_and_per_token_loop():
         ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
         chunks = need + 5 * (i % 2)  # exact, or with padding chunks
         # One slice holding every chunk, and slices of 2 and 3 (the last one padded or not).
-        for most in (decode.SLICE_CHUNKS, 2, 3):
+        for most in (None, 16, 2, 3):  # None: this host's choice
             f = jax.jit(
                 lambda b, o=options, n=chunks, most=most: decode.live_chunk_attention(
                     **b, num_chunks=n, slice_chunks=most, **o
@@ -73,6 +73,19 @@ def test_slicing_covers_every_piece_with_the_fewest_slices():
             slices, per_slice = decode.slicing(n, most)
             assert per_slice <= most and slices * per_slice >= n, (n, most)
             assert (slices - 1) * per_slice < n and slices == -(-n // most), (n, most)
+
+
+def test_slice_size_follows_the_host_and_the_chunk_bytes():
+    avx512, avx2 = frozenset({"avx2", "avx512f"}), frozenset({"avx2"})
+    chunk = 128 * 2 * 64 * 4  # 128 keys of 2 kv heads of 64, f32: the benchmark Llama's
+    assert decode.slice_chunks(chunk, avx512) == 2
+    assert decode.slice_chunks(chunk // 4, avx512) == 8
+    assert decode.slice_chunks(chunk, avx2) == 16
+    assert decode.slice_chunks(chunk * 8, avx2) == 2
+    assert decode.slice_chunks(chunk * 8, avx512) == decode.MIN_SLICE_CHUNKS  # never one chunk
+    assert decode.slice_chunks(chunk, frozenset()) == 16  # flags unreadable: as on AVX2
+    cache = jax.ShapeDtypeStruct((9, 16, 2, 64), jnp.bfloat16)  # 32 KiB a chunk
+    assert decode.host_slice_chunks(cache) in (4, 32)
 
 
 def test_dispatcher_serves_decode_steps_with_prefix_lens():

@@ -11,8 +11,9 @@ from model.config import ModelConfig, from_hf_dict
 from model.layers import compute
 from model.loader import load_model
 from model.testing import TINY_COMMON, write_tiny_checkpoint
+from pallas_kernels.platform import cpu_flags
 from runtime.runner import cpu_bf16
-from runtime.runner.cpu_bf16 import available_memory, choose, cpu_flags, keep_weights_wide
+from runtime.runner.cpu_bf16 import available_memory, choose, keep_weights_wide
 from runtime.runner.model_runner import cache_dtype, model_options
 
 _BASE = {"fpu", "sse2", "avx", "fma"}
