@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from model.batch import ModelBatch
+from model.layers import compute
 from model.layers.linear import Linear
 from model.layers.norms import RMSNorm
 from model.layers.rotary import apply_rotary
@@ -127,6 +128,7 @@ def _attend(
         prefix_lens=prefix_lens,
         decode_chunks=batch.decode_chunks,
         tile_chunks=batch.tile_chunks,
+        narrow_dots=compute.narrow_attention_dots(q.dtype),
         impl=impl,
     )
     return out, k_cache, v_cache

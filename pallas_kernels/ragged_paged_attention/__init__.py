@@ -96,6 +96,7 @@ def ragged_paged_attention(
     decode_chunks: int = 0,
     tile_chunks: int = 0,
     round_probabilities: bool = True,
+    narrow_dots: bool = False,
     impl: str | backends.Choice = "auto",
     interpret: bool | None = None,
 ):
@@ -114,6 +115,10 @@ def ragged_paged_attention(
     `round_probabilities`: on the jnp path, bf16 queries' probabilities are rounded where HF's
     attention rounds them through torch's flash kernel (rounding.py); False keeps them f32, as
     HF's math path does (MLA: q/k and v head dims differ there), through the reference.
+    `narrow_dots`: the caller's word that the caches hold values exact in q's dtype (a bf16
+    model's keys and values, whatever the cache dtype); the jnp fast paths then take their dots'
+    operands in that dtype, accumulating in f32 as before (decode.dot_dtypes): the same values
+    at a host's native bf16 dot speed. Other paths ignore it.
     """
     _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if sliding_window is not None and sliding_window < 1:
@@ -158,10 +163,11 @@ def ragged_paged_attention(
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if choice.impl == "reference" and not round_probabilities:
         return reference.ragged_paged_attention(*args, round_probabilities=False, **kwargs)
+    fast = dict(kwargs, narrow_dots=narrow_dots)
     if choice.impl == "reference" and decode_chunks:
-        return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **kwargs)
+        return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
     if choice.impl == "reference" and tile_chunks and prefix_lens is None:
-        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **kwargs)
+        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
     return choice.fn(*args, **kwargs)
 
 

@@ -81,6 +81,20 @@ def host_slice_chunks(k_cache) -> int:
     return slice_chunks(chunk_bytes, platform.host_cpu_flags())
 
 
+def dot_dtypes(dtype, rounded, narrow: bool):
+    """(score dot, value dot) operand dtypes of a jnp-path step whose queries are `dtype`,
+    `rounded` its probabilities' rounding.Rounding (None for f32), `narrow` the caller's word
+    that its caches hold values exact in `dtype` (a bf16 model's keys and values, in a bf16 or
+    an f32 cache). Narrow operands give the same products (exact in f32) accumulated in f32
+    as before, at the host's bf16 dot speed (AMX: 2-4x an f32 dot). The probabilities are exact
+    in `dtype` only where no piece spans two of HF's key blocks (each rounds against one
+    maximum, rescaled by nothing): otherwise the value dot stays f32."""
+    if not narrow or rounded is None:
+        return jnp.float32, jnp.float32
+    exact_p = rounded.width == rounded.k_pos.shape[1]
+    return dtype, (dtype if exact_p else jnp.float32)
+
+
 def live_chunks(kv_lens, block_size: int) -> int:
     """The chunks a decode step over contexts of these lengths attends (host-side count, ints)."""
     keys = chunk_blocks(block_size) * block_size
@@ -145,16 +159,19 @@ def ragged_paged_decode(
     soft_cap: float | None = None,
     prefix_lens=None,
     slice_chunks: int | None = None,
+    narrow_dots: bool = False,
 ):
     """The reference's result for a step where every sequence has at most one query token and
     whose live chunks (`live_chunks`) number at most `num_chunks`. A step breaking either promise
     gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
     here: a sequence's one query is its last position, which already sees its whole context.
     `slice_chunks`: chunks gathered at a time, this host's choice by default (`host_slice_chunks`);
-    any value gives the same result."""
+    any value gives the same result. `narrow_dots`: see `dot_dtypes` (the value dot; the scores
+    are a multiply-reduce, kept f32)."""
     most = slice_chunks or host_slice_chunks(k_cache)
     step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    options["value_dtype"] = dot_dtypes(q.dtype, step.rounding, narrow_dots)[1]
     return step.output(*_product(step, k_cache, v_cache, exact=True, **options))
 
 
@@ -172,12 +189,14 @@ def live_chunk_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     slice_chunks: int | None = None,
+    narrow_dots: bool = False,
 ):
     """(output, broken): the fast product alone, equal to the reference's whenever it is all
     finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
     most = slice_chunks or host_slice_chunks(k_cache)
     step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    options["value_dtype"] = dot_dtypes(q.dtype, step.rounding, narrow_dots)[1]
     return step.output(*_product(step, k_cache, v_cache, exact=False, **options)), step.broken
 
 
@@ -263,13 +282,13 @@ def masked_parts(s, mask):
     return p, m, jnp.sum(p, axis=-1)
 
 
-def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_cap):
+def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_cap, value_dtype):
     """Scores, softmax parts and value product of every chunk: (o [N, Hq, D], m, sum [N, Hq]).
     The keys and the values are gathered a slice at a time (module docstring); the scores of all
     chunks (Hq / (Hkv * D) the size of their keys) are kept whole between the two passes, so a
     bf16 step's rounding sees every chunk of a sequence. `exact`: a slice whose own-head output is
     not all finite is redone by `reference.product_of_finite_values` (otherwise the fast product
-    alone)."""
+    alone). `value_dtype`: the value dot's operands (`dot_dtypes`)."""
     _, bs, hkv, d = k_cache.shape
     hq = step.q_seq.shape[1]
     g, length = hq // hkv, chunk_blocks(bs) * bs
@@ -288,15 +307,23 @@ def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_ca
 
     def values(piece):
         blocks, p, mask, live = piece
-        v = gather_rows(v_cache, blocks).astype(jnp.float32)  # [n, L, Hkv * D]
-        o = _own_heads(jnp.einsum("nql,nle->nqe", p, v, precision=reference._precision()), hkv)
+        v = gather_rows(v_cache, blocks).astype(value_dtype)  # [n, L, Hkv * D]
+        o = jnp.einsum(
+            "nql,nle->nqe",
+            p.astype(value_dtype),
+            v,
+            precision=reference._precision(),
+            preferred_element_type=jnp.float32,
+        )
+        o = _own_heads(o, hkv)
         if not exact:
             return o
         finite = jnp.all(jnp.isfinite(o) | ~live[:, None, None]) | step.broken
 
         def finite_values_only(v):  # each chunk as a tile of one query
             n = v.shape[0]
-            pieces = (p.reshape(n, hkv, g, 1, length), v.reshape(n, length, hkv, d), mask[:, None])
+            wide = v.reshape(n, length, hkv, d).astype(jnp.float32)
+            pieces = (p.reshape(n, hkv, g, 1, length), wide, mask[:, None])
             return reference.product_of_finite_values(*pieces).reshape(n, hq, d)
 
         return jax.lax.cond(finite, lambda v: o, finite_values_only, v)

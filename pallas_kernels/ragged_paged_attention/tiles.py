@@ -79,11 +79,15 @@ def ragged_paged_tiles(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     slice_pairs: int = SLICE_PAIRS,
+    narrow_dots: bool = False,
 ):
     """The reference's result for a causal step whose live pairs (`tile_chunks`) number at most
     `num_pairs`; a step with more gets an all-NaN output rather than a silently truncated one.
-    `slice_pairs`: pairs gathered at a time (module docstring); any value gives the same result."""
+    `slice_pairs`: pairs gathered at a time (module docstring); any value gives the same result.
+    `narrow_dots` (bf16 or f16 queries whose caches hold values exact in their dtype): the dots
+    take their operands in the queries' dtype (`decode.dot_dtypes`)."""
     step = _Pairs(q, k_cache, kv_lens, block_tables, cu_q_lens, num_seqs, num_pairs, slice_pairs)
+    score_dtype, value_dtype = decode.dot_dtypes(q.dtype, step.rounding, narrow_dots)
     scores = functools.partial(_scores, step, sm_scale=sm_scale, soft_cap=soft_cap)
     mask = step.mask(sliding_window)  # [N, C, L]
     reference_maxima = None
@@ -92,7 +96,7 @@ def ragged_paged_tiles(
         # of earlier pairs too (rounding.py), so a first pass takes every pair's run maxima.
         def run_maxima(piece):
             blocks, tile, mask = piece
-            k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)
+            k = decode.gather_rows(k_cache, blocks).astype(score_dtype)
             return step.rounding.run_maxima(scores(k, tile, mask))
 
         runs = jax.lax.map(run_maxima, step.sliced(step.blocks, step.tile, mask))
@@ -100,21 +104,21 @@ def ragged_paged_tiles(
 
     def product(piece):
         blocks, tile, mask, query_ok, ref = piece
-        k = decode.gather_rows(k_cache, blocks).astype(jnp.float32)  # [n, L, Hkv * D]
-        v = decode.gather_rows(v_cache, blocks).astype(jnp.float32)
+        k = decode.gather_rows(k_cache, blocks).astype(score_dtype)  # [n, L, Hkv * D]
+        v = decode.gather_rows(v_cache, blocks).astype(value_dtype)
         s = scores(k, tile, mask)
         m4 = mask[:, None, None]
         if ref is None:
             p, m, total = decode.masked_parts(s, m4)
         else:
             p, m, total = rounding.rounded_parts(s, m4, step.rounding.expand(ref), step.dtype)
-        o = _values(p, v, step.hkv)
+        o = _values(p.astype(value_dtype), v, step.hkv)
         finite = jnp.all(jnp.isfinite(o) | ~query_ok[:, None, None, :, None]) | step.broken
         o, m, total = _heads_last(o, m, total)
 
         def finite_values_only(v):
             n, length, e = v.shape
-            wide = v.reshape(n, length, step.hkv, e // step.hkv)
+            wide = v.reshape(n, length, step.hkv, e // step.hkv).astype(jnp.float32)
             return reference.product_of_finite_values(p, wide, mask).reshape(o.shape)
 
         # The exact product takes the slice's gathered values, not the caches (decode.py: a
@@ -200,7 +204,7 @@ def _scores(step, k, tile, mask, *, sm_scale, soft_cap):
     d = e // hkv
     c, hq = step.rows.shape[1], step.q.shape[1]
     g = hq // hkv
-    q = step.q[step.rows[tile]].astype(jnp.float32)  # [n, C, Hq, D]
+    q = step.q[step.rows[tile]].astype(k.dtype)  # [n, C, Hq, D]
     q = q.reshape(n, c, hkv, g, d).transpose(0, 2, 3, 1, 4)
     k = k.reshape(n, length, hkv, d).transpose(0, 2, 3, 1)  # [n, Hkv, D, L]
     s = jnp.einsum(
@@ -208,12 +212,13 @@ def _scores(step, k, tile, mask, *, sm_scale, soft_cap):
         q.reshape(n * hkv, g * c, d),
         k.reshape(n * hkv, d, length),
         precision=reference._precision(),
+        preferred_element_type=jnp.float32,
     ).reshape(n, hkv, g, c, length)
     return decode.masked_scores(s, mask[:, None, None], sm_scale, soft_cap)
 
 
 def _values(p, v, hkv):
-    """p [n, Hkv, G, C, L] @ the gathered values v [n, L, Hkv * D] -> o [n, Hkv, G, C, D]."""
+    """p [n, Hkv, G, C, L] @ the gathered values v [n, L, Hkv * D] -> o [n, Hkv, G, C, D] (f32)."""
     n, _, g, c, length = p.shape
     d = v.shape[-1] // hkv
     v = v.reshape(n, length, hkv, d).transpose(0, 2, 1, 3)
@@ -222,6 +227,7 @@ def _values(p, v, hkv):
         p.reshape(n * hkv, g * c, length),
         v.reshape(n * hkv, length, d),
         precision=reference._precision(),
+        preferred_element_type=jnp.float32,
     )
     return o.reshape(n, hkv, g, c, d)
 

@@ -3,6 +3,8 @@ attend with): the probabilities rounded where torch's flash kernel rounds them
 (pallas_kernels/ragged_paged_attention/rounding.py) leave a few percent of the outputs one bf16 ulp
 away (torch's approximate exponential), where f32-normalised probabilities left ~20%."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,13 +72,13 @@ def test_bf16_attention_rounds_where_torch_sdpa_rounds(q_len, kv_len):
     )
     if q_len > 1:
         pairs = tiles.tile_chunks([(q_len, kv_len)], BS)
-        fast = jax.jit(lambda *a: tiles.ragged_paged_tiles(*a, num_pairs=pairs, sm_scale=D**-0.5))
+        path = functools.partial(tiles.ragged_paged_tiles, num_pairs=pairs, sm_scale=D**-0.5)
     else:
         chunks = decode.live_chunks([kv_len], BS)
-        fast = jax.jit(
-            lambda *a: decode.ragged_paged_decode(*a, num_chunks=chunks, sm_scale=D**-0.5)
-        )
+        path = functools.partial(decode.ragged_paged_decode, num_chunks=chunks, sm_scale=D**-0.5)
+    fast = jax.jit(path)
+    narrow = jax.jit(functools.partial(path, narrow_dots=True))  # bf16 dot operands
     unrounded = _mismatch(f32(*step), want)
     assert unrounded > 0.1, unrounded  # the scenario: f32-normalised probabilities
-    for name, fn in (("reference", ref), ("fast path", fast)):
+    for name, fn in (("reference", ref), ("fast path", fast), ("narrow dots", narrow)):
         assert _mismatch(fn(*step), want) < 0.05, (name, _mismatch(fn(*step), want), unrounded)

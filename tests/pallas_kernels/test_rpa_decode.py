@@ -8,7 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 from rpa_cases import make_batch, numpy_attention
 
-from pallas_kernels.ragged_paged_attention import decode, ragged_paged_attention, reference
+from pallas_kernels.ragged_paged_attention import (
+    decode,
+    ragged_paged_attention,
+    reference,
+    rounding,
+)
 
 # kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
 CASES = [
@@ -149,6 +154,26 @@ def test_bf16_close_to_f32():
     out = jax.jit(lambda b: decode.ragged_paged_decode(**b, num_chunks=n, sm_scale=0.2))(bb)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2, rtol=3e-2)
+    narrow = jax.jit(
+        lambda b: decode.ragged_paged_decode(**b, num_chunks=n, sm_scale=0.2, narrow_dots=True)
+    )(bb)
+    np.testing.assert_allclose(np.asarray(narrow, np.float32), want, atol=3e-2, rtol=3e-2)
+    assert np.mean(np.asarray(narrow != out)) < 0.02
+
+
+def test_narrow_dots_only_where_the_operands_are_exact():
+    """bf16 operands for bf16 queries whose caller vouches for the caches; the value dot only
+    where each piece's probabilities round against one maximum (pieces inside a 512-key block)."""
+
+    def rounding_of(keys):
+        k_pos = jnp.arange(2 * keys).reshape(2, keys)
+        return rounding.for_pieces(jnp.bfloat16, k_pos, jnp.zeros(2, jnp.int32), 1, 4096)
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert decode.dot_dtypes(bf16, rounding_of(128), True) == (bf16, bf16)
+    assert decode.dot_dtypes(bf16, rounding_of(1024), True) == (bf16, f32)
+    assert decode.dot_dtypes(bf16, rounding_of(128), False) == (f32, f32)
+    assert decode.dot_dtypes(f32, None, True) == (f32, f32)
 
 
 def test_broken_promises_give_nan_not_a_truncated_answer():

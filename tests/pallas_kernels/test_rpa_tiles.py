@@ -117,6 +117,13 @@ def test_bf16_close_to_f32():
     assert np.mean(np.asarray(outs[0] != ref)) < 0.02  # one bf16 ulp here and there (rounding.py)
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+    # bf16 dot operands (the caches hold bf16 values): the same products, summed in another order.
+    narrow = jax.jit(
+        lambda b: tiles.ragged_paged_tiles(**b, num_pairs=n, sm_scale=0.2, narrow_dots=True)
+    )(bb)
+    assert narrow.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(narrow, np.float32), want, atol=3e-2, rtol=3e-2)
+    assert np.mean(np.asarray(narrow != outs[0])) < 0.02
 
 
 def test_too_few_pairs_give_nan_not_a_truncated_answer():
