@@ -166,12 +166,11 @@ def ragged_paged_decode(
     gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
     here: a sequence's one query is its last position, which already sees its whole context.
     `slice_chunks`: chunks gathered at a time, this host's choice by default (`host_slice_chunks`);
-    any value gives the same result. `narrow_dots`: see `dot_dtypes` (the value dot; the scores
-    are a multiply-reduce, kept f32)."""
-    most = slice_chunks or host_slice_chunks(k_cache)
-    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    options["value_dtype"] = dot_dtypes(q.dtype, step.rounding, narrow_dots)[1]
+    any value gives the same result. `narrow_dots`: see `dot_dtypes`."""
+    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
+    options = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, narrow_dots=narrow_dots
+    )
     return step.output(*_product(step, k_cache, v_cache, exact=True, **options))
 
 
@@ -193,10 +192,10 @@ def live_chunk_attention(
 ):
     """(output, broken): the fast product alone, equal to the reference's whenever it is all
     finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
-    most = slice_chunks or host_slice_chunks(k_cache)
-    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, most, k_cache)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    options["value_dtype"] = dot_dtypes(q.dtype, step.rounding, narrow_dots)[1]
+    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
+    options = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, narrow_dots=narrow_dots
+    )
     return step.output(*_product(step, k_cache, v_cache, exact=False, **options)), step.broken
 
 
@@ -213,12 +212,13 @@ class _Chunks:
     `slices * per_slice` slots (`slicing`), the slots past `n` always padding."""
 
     def __init__(self, q, kv_lens, block_tables, cu_q_lens, num_seqs, n, most, k_cache):
+        """`most`: chunks a slice at most, None for this host's choice (`host_slice_chunks`)."""
         t, hq, d = q.shape
         _, bs, hkv, _ = k_cache.shape
         max_seqs, max_blocks = block_tables.shape
         per_chunk = chunk_blocks(bs)
         keys = per_chunk * bs
-        self.slices, self.per_slice = slicing(n, most)
+        self.slices, self.per_slice = slicing(n, most or host_slice_chunks(k_cache))
         present = jnp.arange(max_seqs) < num_seqs
         q_lens = jnp.where(present, cu_q_lens[1:] - cu_q_lens[:-1], 0)
         lens = jnp.where(present, kv_lens, 0)
@@ -282,14 +282,15 @@ def masked_parts(s, mask):
     return p, m, jnp.sum(p, axis=-1)
 
 
-def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_cap, value_dtype):
+def _product(step, k_cache, v_cache, *, exact, sm_scale, sliding_window, soft_cap, narrow_dots):
     """Scores, softmax parts and value product of every chunk: (o [N, Hq, D], m, sum [N, Hq]).
     The keys and the values are gathered a slice at a time (module docstring); the scores of all
     chunks (Hq / (Hkv * D) the size of their keys) are kept whole between the two passes, so a
     bf16 step's rounding sees every chunk of a sequence. `exact`: a slice whose own-head output is
     not all finite is redone by `reference.product_of_finite_values` (otherwise the fast product
-    alone). `value_dtype`: the value dot's operands (`dot_dtypes`)."""
+    alone). `narrow_dots`: see `dot_dtypes` (the value dot; the scores are a multiply-reduce)."""
     _, bs, hkv, d = k_cache.shape
+    value_dtype = dot_dtypes(step.dtype, step.rounding, narrow_dots)[1]
     hq = step.q_seq.shape[1]
     g, length = hq // hkv, chunk_blocks(bs) * bs
 
