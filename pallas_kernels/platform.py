@@ -58,6 +58,12 @@ def host_cpu_flags() -> frozenset[str]:
     return cpu_flags()
 
 
+def cache_root() -> Path:
+    """vlax's cache directory: `$VLAX_CACHE_DIR` if set, else `~/.cache/vlax`."""
+    env = os.environ.get("VLAX_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "vlax"
+
+
 def triton_params(num_warps: int = 4, num_stages: int | None = None) -> plt.CompilerParams:
     """Always passed explicitly: the params' type is what selects the Triton lowering (kernels.md C.1)."""
     if num_stages is None:

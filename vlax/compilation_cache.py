@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 def cache_dir() -> Path:
     """Where vlax keeps compiled programs: `cache_root()/jax`."""
-    from vlax.default_model import cache_root
+    from pallas_kernels.platform import cache_root
 
     return cache_root() / "jax"
 

@@ -8,7 +8,6 @@ temporary directory and renamed into place, so concurrent first uses never see h
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pallas_kernels.platform import cache_root
 from vlax.default_corpus import CORPUS
 
 DEFAULT_MODEL_VERSION = "1"
@@ -44,12 +44,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-
-
-def cache_root() -> Path:
-    """`$VLAX_CACHE_DIR` if set, else `~/.cache/vlax`."""
-    env = os.environ.get("VLAX_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "vlax"
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:

@@ -3,8 +3,9 @@
 `ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
 Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
 reason logged. On the jnp path, a decode step whose caller counted its live chunks (`decode_chunks`)
-attends only those (decode.py), and another causal step whose caller counted its live (query tile,
-KV chunk) pairs (`tile_chunks`) attends only those (tiles.py). A model decides once, with `select`
+attends only its live context, and so does another causal step whose caller counted its live
+(query tile, KV chunk) pairs (`tile_chunks`): read in place by the C++ kernels where they serve
+(native.py), else decode.py gathers those chunks and tiles.py those pairs. A model decides once, with `select`
 on its layers' shapes when it is built, and passes that `Choice` as `impl`; the dispatcher then only
 confirms it serves the call.
 """
@@ -12,7 +13,7 @@ confirms it serves the call.
 from __future__ import annotations
 
 from pallas_kernels import backends
-from pallas_kernels.ragged_paged_attention import decode, kernel, reference, tiles
+from pallas_kernels.ragged_paged_attention import decode, kernel, native, reference, tiles
 from pallas_kernels.ragged_paged_attention.cache_write import write_kv
 from pallas_kernels.ragged_paged_attention.heuristics import MAX_ROWS
 from pallas_kernels.ragged_paged_attention.work_items import pow2_ceil
@@ -165,8 +166,12 @@ def ragged_paged_attention(
         return reference.ragged_paged_attention(*args, round_probabilities=False, **kwargs)
     fast = dict(kwargs, narrow_dots=narrow_dots)
     if choice.impl == "reference" and decode_chunks:
+        if native.serves("decode", q, k_cache):
+            return native.decode(*args, **kwargs)
         return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
     if choice.impl == "reference" and tile_chunks and prefix_lens is None:
+        if native.serves("prefill", q, k_cache):
+            return native.prefill(*args, **kwargs)
         return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
     return choice.fn(*args, **kwargs)
 

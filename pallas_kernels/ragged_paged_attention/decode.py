@@ -8,6 +8,10 @@ one sequence each, laid end to end, and only those chunks are gathered: a static
 attends its sequence's query on its own (max, sum and value product per chunk) and the chunks of a
 sequence are combined with their max-rescaled sums, as flash-decoding combines its KV splits.
 
+On the CPU, steps with f32 caches go to the C++ kernel instead (native.py), which reads the
+pages in place; this path serves the rest (bf16 or f16 caches, a GPU's reference fallback, a host
+without a C++ compiler) and is the kernel's second oracle in the tests.
+
 Three XLA:CPU costs shape the layout, all measured (64 sequences, contexts 32..1024):
 - Pages are gathered as rows of the [num_blocks, block_size * Hkv * D] view of the cache: one
   contiguous copy per block. The 4-D gather of the same pages ran up to 8x slower.

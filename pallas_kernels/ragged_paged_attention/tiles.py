@@ -9,6 +9,9 @@ to its last query's position: one work item per live (tile, chunk) pair, laid en
 them. Each pair attends on its own (max, sum and value product) and a tile's pairs are combined
 with their max-rescaled sums, as decode.py combines a sequence's chunks.
 
+On the CPU, steps with f32 caches go to the C++ kernel instead (native.py); this path serves
+the rest, as decode.py does.
+
 Keys are gathered as decode.py gathers them (whole block rows of the cache), once per pair: a
 chunk is gathered by every tile that reads it, which costs less than the scores it feeds
 (TILE_QUERIES queries per key). Tiles of TILE_QUERIES: measured on a 2048-token step of seven

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from rpa_cases import make_batch, numpy_attention
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference, tiles
+from pallas_kernels.ragged_paged_attention import native, ragged_paged_attention, reference, tiles
 
 # q_lens, kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
 CASES = [
@@ -149,7 +149,9 @@ def test_host_count_and_its_bound():
     assert tiles.max_tile_chunks(2048, 64, 64, 16) == (2048 // c + 64) * 8
 
 
-def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference():
+def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference(monkeypatch):
+    # Where the C++ kernel serves f32 steps (test_rpa_native.py) the dispatcher takes it instead.
+    monkeypatch.setattr(native, "library", lambda kind: None)
     rng = np.random.default_rng(5)
     ql, kl = [30, 1, 12], [50, 90, 12]
     b = _batch(rng, ql, kl, 8, 2, 16, 8, 2, 2)

@@ -1,0 +1,139 @@
+// What the native attention kernels share: 16-lane vectors, their exp, the softmax of one row
+// (with a bf16 model's rounding), and the work queue over XLA's intra-op threads.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace vlax {
+
+typedef float vf __attribute__((vector_size(64)));  // 16 lanes: one zmm, two ymm on AVX2
+
+constexpr int kLanes = 16;
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(vf));
+  return x;
+}
+
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(vf)); }
+
+inline bool all_finite(vf x) {
+  for (int i = 0; i < kLanes; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+
+// e^x for x <= 0 as 2^n e^r, r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split, Cephes' expf
+// polynomial), written without calls so that a loop over a row vectorizes. NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  const float xc = x > -104.0f ? (x < 0.0f ? x : 0.0f) : -104.0f;
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // 2^n for n in [-150, 0] as two factors, each a normal float.
+  const int32_t whole = static_cast<int32_t>(n);
+  const int32_t half = whole / 2;
+  const int32_t bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
+  float a, b;
+  std::memcpy(&a, &bits_a, 4);
+  std::memcpy(&b, &bits_b, 4);
+  const float y = p * a * b;
+  return x != x ? x : (x < -104.0f ? 0.0f : y);
+}
+
+// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return x != x ? x : y;
+}
+
+inline float finite_or_zero(float x) { return std::isfinite(x) ? x : 0.0f; }
+
+// One row's softmax over its keys at offsets [lo, hi] of `s` (scaled scores; offset l is key
+// position pos0 + l), in place: s[l] becomes the key's probability before normalisation and
+// `factor[b]` scales the keys of block b (of `block` positions, from block first_block) to the
+// row's maximum; returns the row's sum. block 0: one block, nothing rounded. Otherwise, as HF's
+// bf16 attention through torch's CPU flash kernel (rounding.py): a key's probability is taken
+// relative to the running maximum over its row's blocks up to its own, and rounded to bf16.
+inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t block,
+                         int64_t first_block, int64_t blocks, float* factor) {
+  auto block_of = [&](int64_t l) { return block ? (pos0 + l) / block - first_block : 0; };
+  std::fill(factor, factor + blocks, 0.0f);
+  if (lo > hi) return 0.0f;
+  // factor[] holds each block's running maximum first.
+  const int64_t b_lo = block_of(lo), b_hi = block_of(hi);
+  float running = kMinusInf;
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const int64_t from = std::max(lo, block ? (first_block + b) * block - pos0 : lo);
+    const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
+    float m = kMinusInf;
+    for (int64_t l = from; l <= to; ++l) m = std::max(m, s[l]);
+    running = std::max(running, m);
+    factor[b] = running;
+  }
+  const float top = finite_or_zero(running);
+  float total = 0;
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const int64_t from = std::max(lo, block ? (first_block + b) * block - pos0 : lo);
+    const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
+    const float ref = finite_or_zero(factor[b]);
+    for (int64_t l = from; l <= to; ++l) s[l] = exp_nonpositive(s[l] - ref);
+    float sum = 0;
+    for (int64_t l = from; l <= to; ++l) sum += s[l];
+    if (block)
+      for (int64_t l = from; l <= to; ++l) s[l] = round_bf16(s[l]);
+    factor[b] = exp_nonpositive(ref - top);
+    total += factor[b] * sum;
+  }
+  return total;
+}
+
+// A step's work items, claimed one at a time by whichever thread is free. Shared with the
+// tasks scheduled on XLA's pool, so one that starts after the last item is done touches only
+// this (kept alive by its shared_ptr).
+template <typename Item, typename Fn>
+struct Work {
+  std::vector<Item> items;
+  Fn fn;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void operator()() {
+    typename Fn::Scratch scratch;
+    const int64_t count = static_cast<int64_t>(items.size());
+    for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1)) fn(items[i], scratch);
+  }
+};
+
+template <typename W>
+void run_on(xla::ffi::ThreadPool& pool, const std::shared_ptr<W>& work) {
+  const int64_t count = static_cast<int64_t>(work->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { (*work)(); });
+  (*work)();
+  while (work->done.load() < count) std::this_thread::yield();
+}
+
+}  // namespace vlax

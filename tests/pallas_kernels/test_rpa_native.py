@@ -1,0 +1,263 @@
+"""The C++ attention kernels (pallas_kernels/ragged_paged_attention/native.py) against the jnp
+reference, the jnp fast paths and the per-token numpy loop: decode steps and causal steps mixing
+whole prompts, continued chunks and single tokens; ragged contexts with padding rows and sequences,
+GQA groups, head dims, block sizes, sliding windows, soft caps, NaN in keys and values no token
+attends and in a value one does, steps a kernel does not serve; their build (cached per host, a
+clear error without a compiler) and the dispatcher's routing to them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rpa_cases import make_batch, numpy_attention
+
+from pallas_kernels import native_build
+from pallas_kernels.ragged_paged_attention import (
+    decode,
+    native,
+    ragged_paged_attention,
+    reference,
+)
+
+# kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
+CASES = [
+    ([5, 130, 1, 257, 128, 64], 4, 2, 16, 16, None, None, 2, 3),
+    ([33, 17, 2, 1, 300], 6, 3, 32, 8, 20, 30.0, 1, 0),
+    ([129, 255, 256], 8, 8, 64, 32, None, 5.0, 0, 5),
+    ([7, 61, 300], 8, 1, 128, 256, 100, None, 3, 1),
+    ([3, 1000], 2, 1, 256, 4, None, None, 0, 0),
+    ([77, 500, 12], 16, 2, 80, 16, 64, 50.0, 1, 2),
+]
+
+
+def _jnp(b):
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+def _batch(rng, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=True):
+    return make_batch(
+        rng,
+        [1] * len(kv_lens),
+        kv_lens,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        block_size=bs,
+        max_blocks=-(-max(kv_lens) // bs) + 2,
+        pad_seqs=pad_seqs,
+        pad_tokens=pad_tokens,
+        poison=poison,
+    )
+
+
+def _native(options, kind="decode"):
+    return jax.jit(lambda b: getattr(native, kind)(**b, **options))
+
+
+def test_builds_here():
+    # CI installs a compiler (.ci/run): the kernels are never silently absent there.
+    assert native.library("decode") is not None and native.library("prefill") is not None
+
+
+def test_matches_reference_live_chunks_and_per_token_loop():
+    """Fresh random inputs with NaN in every page, page tail and query row no token reads."""
+    rng = np.random.default_rng(0)
+    for kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES:
+        b = _batch(rng, kl, hq, hkv, d, bs, ps, pt)
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        out = np.asarray(_native(options)(_jnp(b)))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        chunks = decode.live_chunks(kl, bs)
+        live = jax.jit(
+            lambda b, o=options, n=chunks: decode.ragged_paged_decode(**b, num_chunks=n, **o)
+        )(_jnp(b))
+        where = f"{kl} hq={hq} hkv={hkv} d={d} bs={bs} window={sw} cap={sc}"
+        assert out.dtype == np.float32 and np.isfinite(out).all(), where
+        np.testing.assert_allclose(out, numpy_attention(b, **options), atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=where)
+        np.testing.assert_allclose(out, live, atol=2e-6, rtol=2e-5, err_msg=where)
+        assert (out[len(kl) :] == 0).all(), where  # padding query rows
+
+
+def test_a_value_a_token_attends_that_is_not_finite_makes_it_nan():
+    """Only the heads of the sequence that attends it, as the reference (masked_values.py);
+    a NaN in a key it attends gives the reference's NaN too."""
+    rng = np.random.default_rng(1)
+    kl, hq, hkv, d, bs = [40, 70, 9], 4, 2, 32, 16
+    b = _batch(rng, kl, hq, hkv, d, bs, 1, 1)
+    options = dict(sm_scale=d**-0.5)
+    ref = jax.jit(lambda b: reference.ragged_paged_attention(**b, **options))
+    for cache, value in (("v_cache", np.nan), ("v_cache", np.inf), ("k_cache", np.nan)):
+        bad = dict(b)
+        x = b[cache].copy()
+        x[b["block_tables"][1, 33 // bs], 33 % bs, 1, 5] = value  # sequence 1, kv head 1
+        bad[cache] = x
+        out = np.asarray(_native(options)(_jnp(bad)))
+        want = np.asarray(ref(_jnp(bad)))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want), err_msg=f"{cache} {value}")
+        assert np.isnan(out[1, 2:]).all() and np.isfinite(out[1, :2]).all(), (cache, value)
+        assert np.isfinite(np.delete(out, 1, axis=0)).all(), (cache, value)
+
+
+def test_a_step_that_is_not_a_decode_is_all_nan():
+    rng = np.random.default_rng(2)
+    two = make_batch(rng, [2, 1], [30, 20], hq=4, hkv=2, d=16, block_size=16, max_blocks=4)
+    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25))(_jnp(two)))).all()
+
+
+TARGET = native.KERNELS["decode"][2]
+
+
+def test_dispatcher_sends_f32_decode_steps_here_and_the_rest_to_jnp():
+    rng = np.random.default_rng(3)
+    kl = [40, 3, 17, 90]
+    b = _jnp(_batch(rng, kl, 8, 2, 16, 8, 2, 2))
+    chunks = decode.live_chunks(kl, 8)
+
+    def hlo(b, **kw):
+        f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, **kw))
+        return f.lower(b).as_text()
+
+    assert TARGET in hlo(b, decode_chunks=chunks)
+    assert TARGET not in hlo(b)  # not a counted decode step: the reference
+    wide = dict(b, q=b["q"].astype(jnp.bfloat16))
+    wide["k_cache"] = b["k_cache"].astype(jnp.bfloat16)
+    wide["v_cache"] = b["v_cache"].astype(jnp.bfloat16)
+    assert TARGET not in hlo(wide, decode_chunks=chunks)  # bf16: decode.py
+    odd = dict(b, q=b["q"][..., :8], k_cache=b["k_cache"][..., :8], v_cache=b["v_cache"][..., :8])
+    assert TARGET not in hlo(odd, decode_chunks=chunks)  # head dim 8
+    plain = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25))(b)
+    fast = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, decode_chunks=chunks))(b)
+    np.testing.assert_allclose(fast, plain, atol=2e-6, rtol=2e-5)
+
+
+def test_without_a_library_the_dispatcher_keeps_the_jnp_path(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda kind: None)
+    q = jax.ShapeDtypeStruct((4, 8, 64), jnp.float32)
+    assert not native.serves("decode", q, jax.ShapeDtypeStruct((9, 16, 2, 64), jnp.float32))
+    b = _jnp(_batch(np.random.default_rng(4), [5, 9], 4, 2, 16, 8, 0, 0))
+    f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, decode_chunks=2))
+    assert TARGET not in f.lower(b).as_text()
+    with pytest.raises(native_build.BuildError, match="did not build"):
+        native.decode(**b, sm_scale=0.25)
+
+
+def test_build_is_cached_per_host_and_says_why_it_cannot_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLAX_CACHE_DIR", str(tmp_path))
+    first = native_build.build(native.KERNELS["decode"][0])
+    assert first.parent == tmp_path / "native" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native_build.build(native.KERNELS["decode"][0]) == first
+    assert first.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(native_build.BuildError, match="no-such-compiler"):
+        native_build.build(native.KERNELS["decode"][0])
+    broken = tmp_path / "broken.cc"
+    broken.write_text("this is not C++\n")
+    monkeypatch.delenv("CXX")
+    with pytest.raises(native_build.BuildError, match="failed"):
+        native_build.build(broken)
+
+
+# q_lens, kv_lens, hq, hkv, d, block_size, sliding_window, soft_cap, pad_seqs, pad_tokens
+PREFILL_CASES = [
+    ([300, 1, 57, 128], [300, 40, 200, 128], 8, 2, 64, 16, None, None, 2, 3),
+    ([5, 70, 1, 33], [5, 100, 9, 33], 6, 3, 32, 8, 20, 30.0, 1, 0),
+    ([129, 3], [260, 3], 4, 4, 16, 32, None, 5.0, 0, 5),
+    ([64, 17], [64, 500], 16, 1, 128, 256, 100, None, 3, 1),
+    ([7], [7], 2, 1, 80, 4, None, None, 0, 0),
+]
+
+
+def test_prefill_matches_reference_tiles_and_per_token_loop():
+    """Whole prompts, chunks continuing a context and single tokens in one step; NaN in every
+    page, page tail and query row no token reads."""
+    rng = np.random.default_rng(5)
+    for ql, kl, hq, hkv, d, bs, sw, sc, ps, pt in PREFILL_CASES:
+        b = make_batch(
+            rng, ql, kl, hq=hq, hkv=hkv, d=d, block_size=bs,
+            max_blocks=-(-max(kl) // bs) + 2, pad_seqs=ps, pad_tokens=pt,
+        )  # fmt: skip
+        options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
+        out = np.asarray(_native(options, "prefill")(_jnp(b)))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        where = f"{ql} {kl} hq={hq} hkv={hkv} d={d} bs={bs} window={sw} cap={sc}"
+        assert out.dtype == np.float32 and np.isfinite(out).all(), where
+        np.testing.assert_allclose(out, numpy_attention(b, **options), atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(out, ref, atol=2e-6, rtol=2e-5, err_msg=where)
+        assert (out[sum(ql) :] == 0).all(), where  # padding query rows
+
+
+def test_prefill_nan_in_an_attended_value_reaches_only_the_rows_that_attend_it():
+    rng = np.random.default_rng(6)
+    ql, kl, hq, hkv, d, bs = [50, 20], [50, 60], 4, 2, 32, 16
+    b = make_batch(rng, ql, kl, hq=hq, hkv=hkv, d=d, block_size=bs, max_blocks=6)
+    v = b["v_cache"].copy()
+    v[b["block_tables"][0, 30 // bs], 30 % bs, 0, 3] = np.nan  # sequence 0, position 30, kv head 0
+    bad = dict(b, v_cache=v)
+    options = dict(sm_scale=d**-0.5)
+    out = np.asarray(_native(options, "prefill")(_jnp(bad)))
+    ref = np.asarray(jax.jit(lambda b: reference.ragged_paged_attention(**b, **options))(_jnp(bad)))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    # Tokens at positions 30.. of sequence 0 (rows 30..49), heads 0-1 of kv head 0: NaN.
+    assert np.isnan(out[30:50, :2]).all() and np.isfinite(out[:30]).all()
+    assert np.isfinite(out[30:50, 2:]).all() and np.isfinite(out[50:]).all()
+    # Windowed: a row whose window starts past position 30 no longer sees it.
+    windowed = dict(options, sliding_window=8)
+    out = np.asarray(_native(windowed, "prefill")(_jnp(bad)))
+    assert np.isnan(out[30:38, :2]).all() and np.isfinite(out[38:50]).all()
+
+
+def test_prefill_of_more_tokens_than_context_is_all_nan():
+    rng = np.random.default_rng(7)
+    b = make_batch(rng, [9, 3], [9, 20], hq=4, hkv=2, d=16, block_size=8, max_blocks=4)
+    b["kv_lens"] = b["kv_lens"].copy()
+    b["kv_lens"][0] = 5  # 9 query tokens in a context of 5
+    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25), "prefill")(_jnp(b)))).all()
+
+
+def test_dispatcher_sends_f32_tiled_steps_to_the_prefill_kernel():
+    rng = np.random.default_rng(8)
+    ql, kl = [40, 1, 17], [90, 3, 17]
+    b = _jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=16, block_size=8, max_blocks=14))
+    pairs = 2 * tiles_count(ql, kl)
+    f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, tile_chunks=pairs))
+    assert native.KERNELS["prefill"][2] in f.lower(b).as_text()
+    plain = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25))(b)
+    np.testing.assert_allclose(f(b), plain, atol=2e-6, rtol=2e-5)
+
+
+def tiles_count(q_lens, kv_lens):
+    from pallas_kernels.ragged_paged_attention import tiles
+
+    return tiles.tile_chunks(zip(q_lens, kv_lens, strict=True), 8)
+
+
+def test_bf16_queries_round_their_probabilities_as_the_reference():
+    """A bf16 model's step (bf16 queries, f32 caches holding bf16 values): the probabilities
+    round to bf16 against the running maximum over 512-key blocks (rounding.py), decode and
+    prefill alike, across block boundaries; outputs agree with the reference's rounding to within
+    one bf16 ulp on a few percent of elements, and are far from the unrounded f32 result there."""
+    rng = np.random.default_rng(9)
+    cases = [
+        ("decode", [1, 1, 1, 1], [700, 30, 1100, 513]),
+        ("prefill", [600, 1, 40], [600, 900, 1040]),
+    ]
+    for kind, ql, kl in cases:
+        b = make_batch(rng, ql, kl, hq=8, hkv=2, d=64, block_size=16, max_blocks=72)
+        b = _jnp(b)
+        for name in ("q", "k_cache", "v_cache"):  # bf16 values; the caches stay f32
+            b[name] = b[name].astype(jnp.bfloat16).astype(jnp.float32)
+        bf = dict(b, q=b["q"].astype(jnp.bfloat16))
+        options = dict(sm_scale=0.125)
+        out = np.asarray(_native(options, kind)(bf).astype(jnp.float32))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(bf)
+        ref = np.asarray(ref.astype(jnp.float32))
+        rows = sum(ql)
+        assert np.isfinite(out[:rows]).all(), kind
+        differ = out[:rows] != ref[:rows]
+        assert differ.mean() < 0.05, (kind, differ.mean())
+        np.testing.assert_allclose(out[:rows], ref[:rows], rtol=2**-7, atol=2**-9, err_msg=kind)
+        # Unrounded probabilities, the output then rounded: many more elements differ.
+        plain = np.asarray(_native(options, kind)(b).astype(jnp.bfloat16).astype(jnp.float32))
+        assert (plain[:rows] != ref[:rows]).mean() > 3 * differ.mean() + 0.02, kind
