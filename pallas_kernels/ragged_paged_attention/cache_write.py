@@ -7,6 +7,7 @@ import functools
 import jax
 
 from pallas_kernels.paged_write import write_rows
+from pallas_kernels.ragged_paged_attention import native
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -26,4 +27,6 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"write_kv: v_cache {v_cache.shape} != k_cache {k_cache.shape}")
+    if native.serves_write(k_cache):  # in place on the CPU, whatever XLA does with bf16 scatters
+        return native.write(k_cache, k, slot_mapping), native.write(v_cache, v, slot_mapping)
     return write_rows(k_cache, k, slot_mapping), write_rows(v_cache, v, slot_mapping)

@@ -1,32 +1,43 @@
-"""Attention on the CPU read in place from the paged cache: C++ kernels (native/*.cc).
+"""Attention on the CPU read in place from the paged cache, and the cache write: C++ kernels
+(native/*.cc, XLA FFI custom calls).
 
 On the jnp path XLA:CPU cannot read the cache through the block tables inside a dot or a
 reduction: each layer first copies the pages it attends (decode.py gathers every live page of K
 and V; tiles.py each (tile, chunk) pair's), and its small batched dots run on one core. These
 kernels read each sequence's keys and values where they lie and split the work over XLA's
 intra-op threads. Measured per layer on a 2-core Xeon (AVX-512, f32, 8 query and 2 kv heads of
-64, median of 21):
-- decode (native/decode.cc), 64 sequences, contexts 100..600: decode.py 5.9 ms, 2.2 here (3.6 on
-  one thread). Each sequence is a work item: its heads' scores, a two-pass softmax, the value
-  sum with each head's accumulators in registers.
+64, median of 21-31):
+- decode (native/decode.cc), 64 sequences, contexts 100..600: decode.py 5.5-5.9 ms, 1.6 here.
+  Each sequence is a work item: its heads' scores (each key's dot summed as a tree of halves: a
+  chain of adds cost a quarter more), a two-pass softmax, the value sum with each head's
+  accumulators in registers.
 - every other causal step (native/prefill.cc), 2048 tokens of 11 rows (prompts of 39..441
   tokens and a 200-token chunk continuing a 400-token context): tiles.py 35.3 ms, 8.8 here.
   A work item is a tile of one sequence's tokens and one kv head; its rows score 16 keys at a
   time against a transposed copy of them, then sum the values four rows at a time.
+- the cache write (native/write.cc): each token's row copied to its slot, the cache the call's
+  output aliasing its donated input. XLA:CPU scatters bf16 by rewriting the whole cache as f32
+  around it (bitcast.py's uint16 view did not avoid the copies inside the step), so bf16 caches
+  were slower than f32 ones; with this write and the kernels' bf16 reads they are not, and a bf16
+  model keeps bf16 caches where these build (runtime/runner/cpu_bf16.py): half the memory.
 
-They serve f32 caches with f32 or bf16 queries (a bf16 model's probabilities rounded to bf16
-relative to the running maximum over HF's key blocks, as rounding.py says), head dims in
-`HEAD_DIMS`, on the CPU where the library builds (pallas_kernels/native_build.py; otherwise it logs
-why, once, and the jnp path serves). Results are the reference's within f32 rounding (other
-summation order, their own exp; a bf16 output may differ by one ulp), with its rules: keys a query
-does not attend are never read, an attended non-finite value row makes the heads reading it NaN
-(masked_values.py), and a step the kernel does not serve (decode: a row with more than one query
-token; prefill: more query tokens than context) is all NaN. They need no chunk or pair bound: a
-step is never truncated.
+The attention kernels serve f32 or bf16 caches with f32 or bf16 queries (a bf16 model's
+probabilities rounded to bf16 relative to the running maximum over HF's key blocks, as
+rounding.py says), head dims in `HEAD_DIMS`, on the CPU where the libraries build
+(pallas_kernels/native_build.py, all at once on first use; otherwise it logs why, once, and the
+jnp paths serve). Results are the reference's within f32 rounding (other summation order, their
+own exp; a bf16 output may differ by one ulp), with its rules: keys a query does not attend are
+never read, an attended non-finite value row makes the heads reading it NaN (masked_values.py),
+and a step the kernel does not serve (decode: a row with more than one query token; prefill: more
+query tokens than context) is all NaN. They need no chunk or pair bound: a step is never
+truncated.
 """
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 import jax
@@ -40,24 +51,60 @@ HERE = Path(__file__).parent / "native"
 KERNELS = {  # kind: (source, handler symbol, FFI target)
     "decode": (HERE / "decode.cc", "VlaxPagedDecode", "vlax_paged_decode"),
     "prefill": (HERE / "prefill.cc", "VlaxPagedPrefill", "vlax_paged_prefill"),
+    "write": (HERE / "write.cc", "VlaxPagedWrite", "vlax_paged_write"),
 }
+DTYPES = (jnp.float32, jnp.bfloat16)
 HEAD_DIMS = frozenset(16 * c for c in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 
 
 def library(kind: str) -> Path | None:
     """The `kind` kernel's library, built and registered once per process (native_build.load)."""
-    return native_build.load(*KERNELS[kind])
+    return _libraries()[kind]
+
+
+@cache
+def _libraries() -> dict[str, Path | None]:
+    # A first run compiles every kernel at once (each takes seconds, mostly XLA's FFI headers).
+    with ThreadPoolExecutor(len(KERNELS)) as pool:
+        list(pool.map(_try_build, KERNELS.values()))
+    return {kind: native_build.load(*spec) for kind, spec in KERNELS.items()}
+
+
+def _try_build(spec) -> None:
+    with contextlib.suppress(native_build.BuildError):  # load() says why, once
+        native_build.build(spec[0])
 
 
 def serves(kind: str, q, k_cache) -> bool:
     """Whether the `kind` kernel serves a step with these queries and caches, here."""
     return (
         platform.current_platform() == "cpu"
-        and q.dtype in (jnp.float32, jnp.bfloat16)
-        and k_cache.dtype == jnp.float32
+        and q.dtype in DTYPES
+        and k_cache.dtype in DTYPES
         and q.shape[-1] in HEAD_DIMS
         and library(kind) is not None
     )
+
+
+def serves_write(cache) -> bool:
+    """Whether the write kernel serves a cache like this one, here."""
+    return (
+        platform.current_platform() == "cpu"
+        and cache.dtype in DTYPES
+        and library("write") is not None
+    )
+
+
+def write(cache, rows, slot_mapping):
+    """paged_write.write_rows's result, written in place (the output aliases `cache`)."""
+    if library("write") is None:
+        raise native_build.BuildError("the native write kernel did not build here (logged)")
+    call = jax.ffi.ffi_call(
+        KERNELS["write"][2],
+        jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        input_output_aliases={0: 0},
+    )
+    return call(cache, rows.astype(cache.dtype), slot_mapping.astype(jnp.int32))
 
 
 def _attention(kind, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **options):

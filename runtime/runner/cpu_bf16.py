@@ -9,10 +9,13 @@ kind of host whatever machine runs the tests:
   10): [2048, 512] x [512, 2816] dot 469 ms bf16 vs 292 ms widened, SiLU * up on [2048, 1408]
   26.8 vs 2.9 ms. With amx_bf16 or avx512_bf16 XLA:CPU has native bf16 dots, so the operands stay
   bf16 there (kept as it was: no such host has been available to measure the widening on).
-- what its caches are kept in on the jnp path: f32 on every host. With native bf16 the step's
-  cost is the paged-attention gathers and scatters, and XLA:CPU moves bf16 through them slowly
+- what its caches are kept in: bf16 on a host with native bf16 where the C++ attention and
+  cache-write kernels built (pallas_kernels/ragged_paged_attention/native.py: they read and write
+  the pages in place, and a decode step reads half the bytes), f32 everywhere else. Without those
+  kernels the step's cost is XLA's paged-attention gathers and scatters, which move bf16 slowly
   (measured: a whole bf16 step with bf16 caches ran 3.7x slower than with f32 caches); on AVX2 bf16
-  caches would add conversions to each gather as well; bf16 keys and values are exact in f32.
+  caches would add conversions to each gather as well (and its widened operands were not
+  measured with the kernels); bf16 keys and values are exact in f32.
 - whether a model whose operands are widened also keeps its dense weights in f32, widened once at
   load instead of in every dot (model/layers/compute.py): where the f32 copy takes at most half
   the memory available, since it doubles the weights' bytes.
@@ -28,6 +31,7 @@ from functools import cache
 from pathlib import Path
 
 from pallas_kernels.platform import host_cpu_flags, proc_fields
+from pallas_kernels.ragged_paged_attention import native
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +46,18 @@ class Bf16Choice:
     reason: str
 
 
-def choose(flags: frozenset[str]) -> Bf16Choice:
-    """How a bfloat16 model runs on a CPU with these /proc/cpuinfo flags."""
+def choose(flags: frozenset[str], native_kernels: bool = False) -> Bf16Choice:
+    """How a bfloat16 model runs on a CPU with these /proc/cpuinfo flags; `native_kernels`:
+    whether the C++ attention and cache-write kernels built here (ragged_paged_attention/native.py)."""
     native = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+    if native is not None and native_kernels:
+        return Bf16Choice(
+            native,
+            "bfloat16",
+            "bfloat16",
+            f"{native}: bf16 dots are native, so operands stay bf16; the C++ kernels write and "
+            "read the caches in place, so they hold bf16 (half the bytes each decode step reads)",
+        )
     if native is not None:
         return Bf16Choice(
             native,
@@ -52,7 +65,7 @@ def choose(flags: frozenset[str]) -> Bf16Choice:
             "float32",
             f"{native}: bf16 dots are native, so operands stay bf16; but XLA:CPU gathers and "
             "scatters bf16 slowly (steps 3.7x slower with bf16 caches), and bf16 keys and "
-            "values are exact in f32",
+            "values are exact in f32 (the C++ kernels that would serve bf16 caches did not build)",
         )
     if "avx2" in flags:
         return Bf16Choice(
@@ -104,7 +117,7 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 @cache
 def host_choice() -> Bf16Choice:
     """This host's choice, logged once."""
-    choice = choose(host_cpu_flags())
+    choice = choose(host_cpu_flags(), all(native.library(kind) for kind in native.KERNELS))
     log.info(
         "bfloat16 on this CPU (%s): operands in %s, caches in %s, because %s",
         choice.host,

@@ -95,11 +95,12 @@ def _decode_chunk_blocks(backends: dict, block_size: int) -> int:
 def cache_dtype(model_dtype: str, attention_backend: str) -> str:
     """The dtype the runner asks a family to keep its caches in.
 
-    On the CPU a bf16 model keeps its caches in f32 unless a kernel is forced: XLA:CPU moves bf16
-    through gathers and scatters slowly (the whole bf16 step ran 3.7x slower than f32), and bf16 keys
-    and values are exact in f32, so the numbers are the same at twice the (host) memory. "auto"
-    never picks an interpret-mode kernel, so on the CPU it means the jnp path. The choice is made
-    per host, from the CPU's bf16 support, and logged with its reason (runner/cpu_bf16.py).
+    On the CPU a bf16 model's cache dtype is chosen per host, from the CPU's bf16 support and
+    whether the C++ attention and write kernels built, and logged with its reason
+    (runner/cpu_bf16.py): bf16 where those kernels read and write the pages in place, else f32
+    (XLA:CPU moves bf16 through gathers and scatters slowly, and bf16 keys and values are exact in
+    f32, so the numbers are the same at twice the memory). A forced kernel keeps the model's
+    dtype. "auto" never picks an interpret-mode kernel, so on the CPU it means the jnp path.
     """
     if (
         model_dtype == "bfloat16"

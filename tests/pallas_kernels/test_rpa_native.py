@@ -108,7 +108,7 @@ def test_a_step_that_is_not_a_decode_is_all_nan():
 TARGET = native.KERNELS["decode"][2]
 
 
-def test_dispatcher_sends_f32_decode_steps_here_and_the_rest_to_jnp():
+def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_to_jnp():
     rng = np.random.default_rng(3)
     kl = [40, 3, 17, 90]
     b = _jnp(_batch(rng, kl, 8, 2, 16, 8, 2, 2))
@@ -120,10 +120,11 @@ def test_dispatcher_sends_f32_decode_steps_here_and_the_rest_to_jnp():
 
     assert TARGET in hlo(b, decode_chunks=chunks)
     assert TARGET not in hlo(b)  # not a counted decode step: the reference
-    wide = dict(b, q=b["q"].astype(jnp.bfloat16))
-    wide["k_cache"] = b["k_cache"].astype(jnp.bfloat16)
-    wide["v_cache"] = b["v_cache"].astype(jnp.bfloat16)
-    assert TARGET not in hlo(wide, decode_chunks=chunks)  # bf16: decode.py
+    for dtype, served in ((jnp.bfloat16, True), (jnp.float16, False)):  # f16: decode.py
+        narrow = {
+            k: x.astype(dtype) if k in ("q", "k_cache", "v_cache") else x for k, x in b.items()
+        }
+        assert (TARGET in hlo(narrow, decode_chunks=chunks)) is served, dtype
     odd = dict(b, q=b["q"][..., :8], k_cache=b["k_cache"][..., :8], v_cache=b["v_cache"][..., :8])
     assert TARGET not in hlo(odd, decode_chunks=chunks)  # head dim 8
     plain = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25))(b)
@@ -261,3 +262,43 @@ def test_bf16_queries_round_their_probabilities_as_the_reference():
         # Unrounded probabilities, the output then rounded: many more elements differ.
         plain = np.asarray(_native(options, kind)(b).astype(jnp.bfloat16).astype(jnp.float32))
         assert (plain[:rows] != ref[:rows]).mean() > 3 * differ.mean() + 0.02, kind
+
+
+def test_bf16_caches_give_what_f32_caches_of_the_same_values_give():
+    """The kernels widen bf16 pages as they read them: the same bf16 values held in a bf16 or an
+    f32 cache attend alike, bit for bit, for f32 and bf16 queries, decode and prefill."""
+    rng = np.random.default_rng(10)
+    cases = [("decode", [1, 1, 1], [700, 30, 64]), ("prefill", [300, 1, 40], [300, 90, 600])]
+    for kind, ql, kl in cases:
+        b = _jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=64, block_size=16, max_blocks=46))
+        for name in ("k_cache", "v_cache"):
+            b[name] = b[name].astype(jnp.bfloat16).astype(jnp.float32)
+        narrow = dict(b, k_cache=b["k_cache"].astype(jnp.bfloat16))
+        narrow["v_cache"] = b["v_cache"].astype(jnp.bfloat16)
+        for q_dtype in (jnp.float32, jnp.bfloat16):
+            q = b["q"].astype(q_dtype)
+            wide = np.asarray(_native(dict(sm_scale=0.125), kind)(dict(b, q=q)).astype(jnp.float32))
+            got = _native(dict(sm_scale=0.125), kind)(dict(narrow, q=q))
+            assert got.dtype == q_dtype, (kind, q_dtype)
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), wide)
+
+
+def test_write_puts_each_row_at_its_slot_in_place_and_drops_padding():
+    from pallas_kernels.paged_write import write_rows
+    from pallas_kernels.ragged_paged_attention.cache_write import write_kv
+
+    rng = np.random.default_rng(11)
+    nb, bs, h, d = 9, 4, 2, 16
+    slots = jnp.asarray([5, -1, 0, 35, 36, 99, 17], jnp.int32)  # -1 and past the cache: dropped
+    for dtype in (jnp.float32, jnp.bfloat16):
+        cache = jnp.asarray(rng.standard_normal((nb, bs, h, d)), dtype)
+        rows = jnp.asarray(rng.standard_normal((7, h, d)), jnp.float32)
+        want = jax.jit(write_rows)(cache, rows, slots)
+        got = jax.jit(native.write)(cache, rows, slots)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(dtype))
+        # Donated, the caches are written where they lie: no copy of a cache in the program.
+        args = (cache, cache, rows.astype(dtype), rows.astype(dtype), slots)
+        hlo = write_kv.lower(*args).compile().as_text()
+        assert native.KERNELS["write"][2] in hlo
+        copies = [ln for ln in hlo.splitlines() if " copy(" in ln and f"[{nb},{bs},{h},{d}]" in ln]
+        assert not copies, (dtype, copies)

@@ -11,6 +11,7 @@ from model.testing import (
     hf_logits,
     write_tiny_checkpoint,
 )
+from runtime.runner import cpu_bf16
 from vlax import LLM, SamplingParams
 
 MAX_TOKENS = 10
@@ -119,17 +120,22 @@ def test_pallas_attention_backend_matches_hf(checkpoints):
     check_logprobs_close(_ours(outs), ref, atol=2e-3)
 
 
-def test_bf16_f32_kv_cache_on_cpu_gives_the_bf16_cache_tokens(tmp_path):
-    """On the CPU a bf16 model keeps an f32 KV cache (bf16 keys/values are exact in f32): the same
-    tokens and logprobs as the Pallas path, which keeps the cache in bf16."""
+def test_bf16_f32_kv_cache_on_cpu_gives_the_bf16_cache_tokens(tmp_path, monkeypatch):
+    """On the CPU a bf16 model keeps an f32 KV cache where the C++ kernels do not serve (bf16
+    keys/values are exact in f32), a bf16 one where they do (runner/cpu_bf16.py): both give the
+    same tokens and logprobs as the Pallas path, which keeps the cache in bf16."""
     path = write_tiny_checkpoint(tmp_path / "bf16", "llama", seed=4, dtype="bfloat16")
     prompts = [{"prompt_token_ids": p} for p in _prompts(13, [5, 11])]
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
     runs = []
-    for backend in ("reference", "pallas"):
+    for backend, kernels in (("reference", False), ("reference", True), ("pallas", True)):
+        choice = cpu_bf16.choose(flags, native_kernels=kernels)
+        monkeypatch.setattr(cpu_bf16, "host_choice", lambda choice=choice: choice)
         llm = LLM(path, max_model_len=64, max_num_seqs=2, block_size=8, attention_backend=backend)
         kv_dtype = llm.engine.runner.kv_caches[0][0].dtype.name
         runs.append((kv_dtype, _ours(llm.generate(prompts, GREEDY, use_tqdm=False))))
-    (dt_ref, ref), (dt_pallas, pallas) = runs
-    assert (dt_ref, dt_pallas) == ("float32", "bfloat16")
-    assert [r[0] for r in ref] == [p[0] for p in pallas]
-    check_logprobs_close(ref, pallas, atol=5e-2)  # bf16 dots in the kernel
+    (dt_f32, f32), (dt_bf16, bf16), (dt_pallas, pallas) = runs
+    assert (dt_f32, dt_bf16, dt_pallas) == ("float32", "bfloat16", "bfloat16")
+    assert [r[0] for r in f32] == [r[0] for r in bf16] == [p[0] for p in pallas]
+    check_logprobs_close(f32, bf16, atol=1e-6)  # the same values in either cache
+    check_logprobs_close(f32, pallas, atol=5e-2)  # bf16 dots in the kernel

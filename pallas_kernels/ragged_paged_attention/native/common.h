@@ -30,6 +30,28 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(vf)); }
 
+// Caches hold f32, or bf16 as its bits (uint16_t): 16 of them widen to one vector exactly.
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+inline vf load(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(vh));
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  vf x;
+  std::memcpy(&x, &w, sizeof(vf));
+  return x;
+}
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t bits) {
+  const uint32_t w = uint32_t{bits} << 16;
+  float x;
+  std::memcpy(&x, &w, 4);
+  return x;
+}
+
 inline bool all_finite(vf x) {
   for (int i = 0; i < kLanes; ++i)
     if (!std::isfinite(x[i])) return false;

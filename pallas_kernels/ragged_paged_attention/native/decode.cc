@@ -14,8 +14,8 @@ using namespace vlax;
 
 struct Step {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // T: float or uint16_t (bf16 bits), the caches' element
+  const void* v;
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu_q_lens;
@@ -30,14 +30,23 @@ struct Scratch {
   std::vector<float> scores, factors;
 };
 
+// The 16 lanes' sum as a tree of halves (a chain of 15 adds was the decode step's bottleneck).
 inline float lane_sum(vf x) {
-  float s = 0;
-  for (int i = 0; i < kLanes; ++i) s += x[i];
-  return s;
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 lo, hi;
+  std::memcpy(&lo, &x, sizeof(v8));
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(v8), sizeof(v8));
+  const v8 eight = lo + hi;
+  v4 a, b;
+  std::memcpy(&a, &eight, sizeof(v4));
+  std::memcpy(&b, reinterpret_cast<const char*>(&eight) + sizeof(v4), sizeof(v4));
+  const v4 four = a + b;
+  return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
 // Sequence i's query (token cu_q_lens[i]) against its keys: out [Hq, D] for that token.
-template <int C>
+template <int C, typename T>
 void attend(const Step& st, int64_t i, Scratch& sc) {
   constexpr int D = C * 16;
   const int64_t kv_len = st.kv_lens[i];
@@ -60,15 +69,15 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
       std::fill(out, out + hq * D, kNaN);
       return;
     }
-  auto at = [&](const float* cache, int64_t pos) {
-    return cache + table[pos / bs] * block + (pos % bs) * row;
+  auto at = [&](const void* cache, int64_t pos) {
+    return static_cast<const T*>(cache) + table[pos / bs] * block + (pos % bs) * row;
   };
   sc.scores.resize(hq * n);
   for (int64_t l = 0; l < n; ++l) {
-    const float* key = at(st.k, first + l);
+    const T* key = at(st.k, first + l);
     for (int64_t a = 0; a < hq; ++a) {
       const float* qa = q + a * D;
-      const float* kh = key + (a / g) * D;
+      const T* kh = key + (a / g) * D;
       vf acc = load(qa) * load(kh);
 #pragma GCC unroll 16
       for (int c = 1; c < C; ++c) acc += load(qa + 16 * c) * load(kh + 16 * c);
@@ -95,7 +104,7 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) part[c] = vf{};
       for (int64_t l = from; l <= to; ++l) {
-        const float* value = at(st.v, first + l) + h * D;
+        const T* value = at(st.v, first + l) + h * D;
         const float p = s[l];
 #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) part[c] += p * load(value + 16 * c);
@@ -110,7 +119,7 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
       // masked_values.py's rule: a head that attends a non-finite value row is NaN; otherwise
       // the plain sum stands (an overflow stays inf, as in the reference).
       for (int64_t l = 0; l < n; ++l) {
-        const float* value = at(st.v, first + l) + h * D;
+        const T* value = at(st.v, first + l) + h * D;
         bool bad = false;
         for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
         if (bad) {
@@ -127,19 +136,20 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
 
 using Attend = void (*)(const Step&, int64_t, Scratch&);
 
+template <typename T>
 Attend attend_for(int64_t d) {
   switch (d / 16) {
-    case 1: return attend<1>;
-    case 2: return attend<2>;
-    case 3: return attend<3>;
-    case 4: return attend<4>;
-    case 5: return attend<5>;
-    case 6: return attend<6>;
-    case 7: return attend<7>;
-    case 8: return attend<8>;
-    case 10: return attend<10>;
-    case 12: return attend<12>;
-    case 16: return attend<16>;
+    case 1: return attend<1, T>;
+    case 2: return attend<2, T>;
+    case 3: return attend<3, T>;
+    case 4: return attend<4, T>;
+    case 5: return attend<5, T>;
+    case 6: return attend<6, T>;
+    case 7: return attend<7, T>;
+    case 8: return attend<8, T>;
+    case 10: return attend<10, T>;
+    case 12: return attend<12, T>;
+    case 16: return attend<16, T>;
     default: return nullptr;
   }
 }
@@ -151,15 +161,19 @@ struct Sequence {
   void operator()(int32_t i, Scratch& scratch) const { attend(step, i, scratch); }
 };
 
-ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
+ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                  ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
                   int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("native decode: q [T, Hq, D], caches [N, bs, Hkv, D]");
-  const Attend fn = attend_for(qd[2]);
+  if (k.element_type() != v.element_type() ||
+      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument("native decode: caches must both be f32 or bf16");
+  const Attend fn = k.element_type() == ffi::F32 ? attend_for<float>(qd[2])
+                                                  : attend_for<uint16_t>(qd[2]);
   if (fn == nullptr || qd[2] % 16 != 0)
     return ffi::Error::InvalidArgument("native decode: head dim not served");
   const int64_t total = qd[0] * qd[1] * qd[2];
@@ -174,7 +188,7 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       return ffi::Error::Success();
     }
   }
-  const Step step{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(),
+  const Step step{q.typed_data(), k.untyped_data(), v.untyped_data(), kv_lens.typed_data(),
                   tables.typed_data(), cu, o, kd[0], kd[1], kd[2], qd[1], tables.dimensions()[1],
                   sm_scale, soft_cap, window, round_block};
   auto work = std::make_shared<Work<int32_t, Sequence>>();
@@ -191,8 +205,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VlaxPagedDecode, Decode,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // v_cache: as k_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens

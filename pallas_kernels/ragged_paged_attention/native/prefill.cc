@@ -18,8 +18,8 @@ constexpr int kRowTarget = 64;  // rows (tokens x grouped heads) of a work item
 
 struct Step {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // T: float or uint16_t (bf16 bits), the caches' element
+  const void* v;
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu_q_lens;
@@ -41,7 +41,7 @@ struct Scratch {
 
 // One tile: row r is token r / G of the tile and query head r % G of the kv head; its keys are
 // the offsets [lo[r], hi[r]] from the tile's first key position.
-template <int C>
+template <int C, typename T>
 void attend(const Step& st, const Item& it, Scratch& sc) {
   constexpr int D = C * 16;
   const int64_t g = st.hq / st.hkv, bs = st.block_size;
@@ -66,8 +66,9 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   if (base < 0 || kv_len > st.width * bs) return fail();
   for (int64_t b = pos0 / bs; b <= last / bs; ++b)
     if (table[b] < 0 || table[b] >= st.num_blocks) return fail();
-  auto at = [&](const float* cache, int64_t pos) {
-    return cache + table[pos / bs] * block_floats + (pos % bs) * row_floats + it.head * D;
+  auto at = [&](const void* cache, int64_t pos) {
+    return static_cast<const T*>(cache) + table[pos / bs] * block_floats +
+           (pos % bs) * row_floats + it.head * D;
   };
   const int64_t span = last - pos0 + 1;
   const int64_t padded = (span + kLanes - 1) / kLanes * kLanes;
@@ -82,8 +83,8 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   for (int64_t k0 = 0; k0 < padded; k0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, span - k0);
     for (int64_t i = 0; i < kLanes; ++i) {
-      const float* key = i < count ? at(st.k, pos0 + k0 + i) : nullptr;
-      for (int64_t d = 0; d < D; ++d) sc.keys[d * kLanes + i] = key ? key[d] : 0.0f;
+      const T* key = i < count ? at(st.k, pos0 + k0 + i) : nullptr;
+      for (int64_t d = 0; d < D; ++d) sc.keys[d * kLanes + i] = key ? widen(key[d]) : 0.0f;
     }
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
@@ -134,7 +135,7 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   auto row_sum = [&](int64_t r, int64_t from, int64_t to, vf* o) {
     const float* s = sc.scores.data() + r * padded;
     for (int64_t l = from; l <= to; ++l) {
-      const float* value = at(st.v, pos0 + l);
+      const T* value = at(st.v, pos0 + l);
       const float p = s[l];
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) o[c] += p * load(value + 16 * c);
@@ -145,7 +146,7 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
     for (int c = 0; c < C; ++c) finite = finite && all_finite(o[c]);
     if (!finite) {  // masked_values.py: an attended non-finite value row makes the row NaN
       for (int64_t l = sc.lo[r]; l <= sc.hi[r]; ++l) {
-        const float* value = at(st.v, pos0 + l);
+        const T* value = at(st.v, pos0 + l);
         bool bad = false;
         for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
         if (bad) {
@@ -175,7 +176,7 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
       if (n == 4) {
         const float* s0 = sc.scores.data() + r * padded;
         for (int64_t l = from; l <= to; ++l) {
-          const float* value = at(st.v, pos0 + l);
+          const T* value = at(st.v, pos0 + l);
           const float p0 = s0[l], p1 = s0[padded + l], p2 = s0[2 * padded + l];
           const float p3 = s0[3 * padded + l];
 #pragma GCC unroll 16
@@ -206,19 +207,20 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
 
 using Attend = void (*)(const Step&, const Item&, Scratch&);
 
+template <typename T>
 Attend attend_for(int64_t d) {
   switch (d / 16) {
-    case 1: return attend<1>;
-    case 2: return attend<2>;
-    case 3: return attend<3>;
-    case 4: return attend<4>;
-    case 5: return attend<5>;
-    case 6: return attend<6>;
-    case 7: return attend<7>;
-    case 8: return attend<8>;
-    case 10: return attend<10>;
-    case 12: return attend<12>;
-    case 16: return attend<16>;
+    case 1: return attend<1, T>;
+    case 2: return attend<2, T>;
+    case 3: return attend<3, T>;
+    case 4: return attend<4, T>;
+    case 5: return attend<5, T>;
+    case 6: return attend<6, T>;
+    case 7: return attend<7, T>;
+    case 8: return attend<8, T>;
+    case 10: return attend<10, T>;
+    case 12: return attend<12, T>;
+    case 16: return attend<16, T>;
     default: return nullptr;
   }
 }
@@ -230,15 +232,19 @@ struct Tile {
   void operator()(const Item& it, Scratch& scratch) const { attend(step, it, scratch); }
 };
 
-ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
+ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
                    ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
                    int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
     return ffi::Error::InvalidArgument("native prefill: q [T, Hq, D], caches [N, bs, Hkv, D]");
-  const Attend fn = attend_for(qd[2]);
+  if (k.element_type() != v.element_type() ||
+      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument("native prefill: caches must both be f32 or bf16");
+  const Attend fn = k.element_type() == ffi::F32 ? attend_for<float>(qd[2])
+                                                  : attend_for<uint16_t>(qd[2]);
   if (fn == nullptr || qd[2] % 16 != 0)
     return ffi::Error::InvalidArgument("native prefill: head dim not served");
   const int64_t t = qd[0], total = qd[0] * qd[1] * qd[2];
@@ -269,7 +275,7 @@ ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
   };
   std::stable_sort(work->items.begin(), work->items.end(),
                    [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
-  work->fn = Tile{Step{q.typed_data(), k.typed_data(), v.typed_data(), lens, tables.typed_data(),
+  work->fn = Tile{Step{q.typed_data(), k.untyped_data(), v.untyped_data(), lens, tables.typed_data(),
                        cu, o, kd[0], kd[1], kd[2], qd[1], tables.dimensions()[1], sm_scale,
                        soft_cap, window, round_block},
                   fn};
@@ -283,8 +289,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VlaxPagedPrefill, Prefill,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::AnyBuffer>()  // k_cache: f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // v_cache: as k_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens

@@ -29,11 +29,14 @@ def test_each_host_kind_gets_its_choice_and_reason():
         ({"neon", "asimd"}, "other", "float32"),
     ]
     for extra, host, compute_dtype in cases:
-        choice = choose(frozenset(_BASE | extra))
-        assert choice.host == host, (extra, choice)
-        assert choice.compute_dtype == compute_dtype, (extra, choice)
-        assert choice.cache_dtype == "float32"
-        assert choice.reason.startswith(host if host != "other" else "no avx2"), choice.reason
+        for kernels in (False, True):
+            choice = choose(frozenset(_BASE | extra), native_kernels=kernels)
+            assert choice.host == host, (extra, choice)
+            assert choice.compute_dtype == compute_dtype, (extra, choice)
+            # bf16 caches only where bf16 is native and the C++ kernels serve them
+            bf16_cache = kernels and compute_dtype == "bfloat16"
+            assert choice.cache_dtype == ("bfloat16" if bf16_cache else "float32"), choice
+            assert choice.reason.startswith(host if host != "other" else "no avx2"), choice
 
 
 def test_cpu_flags_reads_the_first_processor(tmp_path):
