@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -90,6 +91,67 @@ inline float round_bf16(float x) {
   float y;
   std::memcpy(&y, &bits, 4);
   return x != x ? x : y;
+}
+
+// One attention step's arguments, as the kernels read them.
+struct Step {
+  const float* q;
+  const void* k;  // T: float or uint16_t (bf16 bits), the caches' element
+  const void* v;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  const int32_t* cu_q_lens;
+  float* out;
+  int64_t num_blocks, block_size, hkv, hq, width;
+  float scale, soft_cap;  // soft_cap 0: none
+  int64_t window;         // 0: none
+  int64_t round_block;    // 0: f32 probabilities; else bf16 ones per block of keys (softmax_row)
+};
+
+// Kernel<C, T>::run for head dim 16 C and cache element T (the head dims native.py's HEAD_DIMS
+// lists); nullptr for another head dim.
+template <template <int, typename> class Kernel, typename T>
+auto for_head_dim(int64_t d) -> decltype(&Kernel<1, T>::run) {
+  switch (d % 16 ? 0 : d / 16) {
+    case 1: return &Kernel<1, T>::run;
+    case 2: return &Kernel<2, T>::run;
+    case 3: return &Kernel<3, T>::run;
+    case 4: return &Kernel<4, T>::run;
+    case 5: return &Kernel<5, T>::run;
+    case 6: return &Kernel<6, T>::run;
+    case 7: return &Kernel<7, T>::run;
+    case 8: return &Kernel<8, T>::run;
+    case 10: return &Kernel<10, T>::run;
+    case 12: return &Kernel<12, T>::run;
+    case 16: return &Kernel<16, T>::run;
+    default: return nullptr;
+  }
+}
+
+// The attention kernels' entry: Kernel's run for these shapes and cache dtype, or the error
+// naming what does not fit (`what`: the kernel's name).
+template <template <int, typename> class Kernel>
+auto for_call(const char* what, xla::ffi::Buffer<xla::ffi::F32>& q, xla::ffi::AnyBuffer& k,
+              xla::ffi::AnyBuffer& v, xla::ffi::Error* error) -> decltype(&Kernel<1, float>::run) {
+  namespace ffi = xla::ffi;
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  const std::string name(what);
+  if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0 ||
+      v.dimensions().size() != 4) {
+    *error = ffi::Error::InvalidArgument(name + ": q [T, Hq, D], caches [N, bs, Hkv, D]");
+    return nullptr;
+  }
+  if (k.element_type() != v.element_type() ||
+      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16)) {
+    *error = ffi::Error::InvalidArgument(name + ": caches must both be f32 or bf16");
+    return nullptr;
+  }
+  auto fn = k.element_type() == ffi::F32 ? for_head_dim<Kernel, float>(qd[2])
+                                         : for_head_dim<Kernel, uint16_t>(qd[2]);
+  if (fn == nullptr)
+    *error = ffi::Error::InvalidArgument(name + ": head dim " + std::to_string(qd[2]) +
+                                         " not served");
+  return fn;
 }
 
 inline float finite_or_zero(float x) { return std::isfinite(x) ? x : 0.0f; }

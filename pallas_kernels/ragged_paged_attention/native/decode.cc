@@ -12,20 +12,6 @@ namespace {
 
 using namespace vlax;
 
-struct Step {
-  const float* q;
-  const void* k;  // T: float or uint16_t (bf16 bits), the caches' element
-  const void* v;
-  const int32_t* kv_lens;
-  const int32_t* tables;
-  const int32_t* cu_q_lens;
-  float* out;
-  int64_t num_blocks, block_size, hkv, hq, width;
-  float scale, soft_cap;  // soft_cap 0: none
-  int64_t window;         // 0: none
-  int64_t round_block;    // 0: f32 probabilities; else bf16 ones per block of keys (common.h)
-};
-
 struct Scratch {
   std::vector<float> scores, factors;
 };
@@ -134,25 +120,12 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
   }
 }
 
-using Attend = void (*)(const Step&, int64_t, Scratch&);
+template <int C, typename T>
+struct Kernel {
+  static void run(const Step& st, int64_t item, Scratch& sc) { attend<C, T>(st, item, sc); }
+};
 
-template <typename T>
-Attend attend_for(int64_t d) {
-  switch (d / 16) {
-    case 1: return attend<1, T>;
-    case 2: return attend<2, T>;
-    case 3: return attend<3, T>;
-    case 4: return attend<4, T>;
-    case 5: return attend<5, T>;
-    case 6: return attend<6, T>;
-    case 7: return attend<7, T>;
-    case 8: return attend<8, T>;
-    case 10: return attend<10, T>;
-    case 12: return attend<12, T>;
-    case 16: return attend<16, T>;
-    default: return nullptr;
-  }
-}
+using Attend = decltype(&Kernel<1, float>::run);
 
 struct Sequence {
   using Scratch = ::Scratch;
@@ -166,16 +139,10 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
                   int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
+  ffi::Error error = ffi::Error::Success();
+  const Attend fn = for_call<Kernel>("native decode", q, k, v, &error);
+  if (fn == nullptr) return error;
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
-    return ffi::Error::InvalidArgument("native decode: q [T, Hq, D], caches [N, bs, Hkv, D]");
-  if (k.element_type() != v.element_type() ||
-      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16))
-    return ffi::Error::InvalidArgument("native decode: caches must both be f32 or bf16");
-  const Attend fn = k.element_type() == ffi::F32 ? attend_for<float>(qd[2])
-                                                  : attend_for<uint16_t>(qd[2]);
-  if (fn == nullptr || qd[2] % 16 != 0)
-    return ffi::Error::InvalidArgument("native decode: head dim not served");
   const int64_t total = qd[0] * qd[1] * qd[2];
   float* o = out->typed_data();
   std::fill(o, o + total, 0.0f);

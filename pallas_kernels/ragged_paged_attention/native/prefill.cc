@@ -16,20 +16,6 @@ using namespace vlax;
 
 constexpr int kRowTarget = 64;  // rows (tokens x grouped heads) of a work item
 
-struct Step {
-  const float* q;
-  const void* k;  // T: float or uint16_t (bf16 bits), the caches' element
-  const void* v;
-  const int32_t* kv_lens;
-  const int32_t* tables;
-  const int32_t* cu_q_lens;
-  float* out;
-  int64_t num_blocks, block_size, hkv, hq, width;
-  float scale, soft_cap;  // soft_cap 0: none
-  int64_t window;         // 0: none
-  int64_t round_block;    // 0: f32 probabilities; else bf16 ones per block of keys (common.h)
-};
-
 struct Item {
   int32_t seq, head, first_token, tokens;  // tokens of the tile: [first_token, + tokens)
 };
@@ -205,25 +191,12 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   }
 }
 
-using Attend = void (*)(const Step&, const Item&, Scratch&);
+template <int C, typename T>
+struct Kernel {
+  static void run(const Step& st, const Item& item, Scratch& sc) { attend<C, T>(st, item, sc); }
+};
 
-template <typename T>
-Attend attend_for(int64_t d) {
-  switch (d / 16) {
-    case 1: return attend<1, T>;
-    case 2: return attend<2, T>;
-    case 3: return attend<3, T>;
-    case 4: return attend<4, T>;
-    case 5: return attend<5, T>;
-    case 6: return attend<6, T>;
-    case 7: return attend<7, T>;
-    case 8: return attend<8, T>;
-    case 10: return attend<10, T>;
-    case 12: return attend<12, T>;
-    case 16: return attend<16, T>;
-    default: return nullptr;
-  }
-}
+using Attend = decltype(&Kernel<1, float>::run);
 
 struct Tile {
   using Scratch = ::Scratch;
@@ -237,16 +210,10 @@ ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer
                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
                    ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
                    int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
+  ffi::Error error = ffi::Error::Success();
+  const Attend fn = for_call<Kernel>("native prefill", q, k, v, &error);
+  if (fn == nullptr) return error;
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || kd[3] != qd[2] || qd[1] % kd[2] != 0)
-    return ffi::Error::InvalidArgument("native prefill: q [T, Hq, D], caches [N, bs, Hkv, D]");
-  if (k.element_type() != v.element_type() ||
-      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16))
-    return ffi::Error::InvalidArgument("native prefill: caches must both be f32 or bf16");
-  const Attend fn = k.element_type() == ffi::F32 ? attend_for<float>(qd[2])
-                                                  : attend_for<uint16_t>(qd[2]);
-  if (fn == nullptr || qd[2] % 16 != 0)
-    return ffi::Error::InvalidArgument("native prefill: head dim not served");
   const int64_t t = qd[0], total = qd[0] * qd[1] * qd[2];
   float* o = out->typed_data();
   std::fill(o, o + total, 0.0f);
