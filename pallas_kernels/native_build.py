@@ -45,6 +45,7 @@ def compiler() -> str:
     raise BuildError("no C++ compiler: set CXX or install g++ (apt-get install g++)")
 
 
+@cache
 def _version(cxx: str) -> str:
     try:
         done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)

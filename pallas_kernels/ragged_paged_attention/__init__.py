@@ -5,9 +5,9 @@ Pallas (Triton) kernel on GPUs where it serves the call, and the reference there
 reason logged. On the jnp path, a decode step whose caller counted its live chunks (`decode_chunks`)
 attends only its live context, and so does another causal step whose caller counted its live
 (query tile, KV chunk) pairs (`tile_chunks`): read in place by the C++ kernels where they serve
-(native.py), else decode.py gathers those chunks and tiles.py those pairs. A model decides once, with `select`
-on its layers' shapes when it is built, and passes that `Choice` as `impl`; the dispatcher then only
-confirms it serves the call.
+(native.py), else decode.py gathers those chunks and tiles.py those pairs. A model decides once,
+with `select` on its layers' shapes when it is built, and passes that `Choice` as `impl`; the
+dispatcher then only confirms it serves the call.
 """
 
 from __future__ import annotations

@@ -62,6 +62,11 @@ def library(kind: str) -> Path | None:
     return _libraries()[kind]
 
 
+def available() -> bool:
+    """Whether every kernel built here (a bf16 model then keeps bf16 caches: cpu_bf16.py)."""
+    return all(path is not None for path in _libraries().values())
+
+
 @cache
 def _libraries() -> dict[str, Path | None]:
     # A first run compiles every kernel at once (each takes seconds, mostly XLA's FFI headers).
@@ -76,22 +81,18 @@ def _try_build(spec) -> None:
 
 
 def serves(kind: str, q, k_cache) -> bool:
-    """Whether the `kind` kernel serves a step with these queries and caches, here."""
-    return (
-        platform.current_platform() == "cpu"
-        and q.dtype in DTYPES
-        and k_cache.dtype in DTYPES
-        and q.shape[-1] in HEAD_DIMS
-        and library(kind) is not None
-    )
+    """Whether the `kind` attention kernel serves a step with these queries and caches, here."""
+    return q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and _serves(kind, k_cache)
 
 
 def serves_write(cache) -> bool:
     """Whether the write kernel serves a cache like this one, here."""
+    return _serves("write", cache)
+
+
+def _serves(kind: str, cache) -> bool:
     return (
-        platform.current_platform() == "cpu"
-        and cache.dtype in DTYPES
-        and library("write") is not None
+        platform.current_platform() == "cpu" and cache.dtype in DTYPES and library(kind) is not None
     )
 
 
@@ -107,11 +108,41 @@ def write(cache, rows, slot_mapping):
     return call(cache, rows.astype(cache.dtype), slot_mapping.astype(jnp.int32))
 
 
-def _attention(kind, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **options):
+def decode(
+    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, prefix_lens=None, **options
+):
+    """decode.ragged_paged_decode's result for a step `serves("decode", ...)` accepts (the
+    reference's arguments; options: sm_scale, sliding_window, soft_cap). `prefix_lens` changes
+    nothing: a row's one query is its last position."""
+    del prefix_lens
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    return _attention("decode", *args, **options)
+
+
+def prefill(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **options):
+    """The reference's result for a causal step (rows of any number of query tokens, each
+    row's the last of its context) that `serves("prefill", ...)` accepts."""
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    return _attention("prefill", *args, **options)
+
+
+def _attention(
+    kind,
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+):
     if library(kind) is None:
         raise native_build.BuildError(f"the native {kind} kernel did not build here (logged)")
     call = jax.ffi.ffi_call(KERNELS[kind][2], jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    sliding_window, soft_cap = options["sliding_window"], options["soft_cap"]
     # A bf16 model's probabilities round as HF's do (rounding.py); its queries are exact in f32.
     round_block = rounding.KEY_BLOCK if rounding.rounds(q.dtype) else 0
     out = call(
@@ -122,31 +153,9 @@ def _attention(kind, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_
         block_tables.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
-        sm_scale=np.float32(options["sm_scale"]),
+        sm_scale=np.float32(sm_scale),
         window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
         round_block=np.int64(round_block),
     )
     return out.astype(q.dtype)
-
-
-def decode(
-    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, prefix_lens=None, **options
-):
-    """decode.ragged_paged_decode's result for a step `serves("decode", ...)` accepts (the
-    reference's arguments; options: sm_scale, sliding_window, soft_cap). `prefix_lens` changes
-    nothing: a row's one query is its last position."""
-    del prefix_lens
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    return _attention("decode", *args, **_options(**options))
-
-
-def prefill(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **options):
-    """The reference's result for a causal step (rows of any number of query tokens, each
-    row's the last of its context) that `serves("prefill", ...)` accepts."""
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    return _attention("prefill", *args, **_options(**options))
-
-
-def _options(*, sm_scale: float, sliding_window=None, soft_cap=None):
-    return dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)

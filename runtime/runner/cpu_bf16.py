@@ -49,21 +49,21 @@ class Bf16Choice:
 def choose(flags: frozenset[str], native_kernels: bool = False) -> Bf16Choice:
     """How a bfloat16 model runs on a CPU with these /proc/cpuinfo flags; `native_kernels`:
     whether the C++ attention and cache-write kernels built here (ragged_paged_attention/native.py)."""
-    native = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
-    if native is not None and native_kernels:
+    flag = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+    if flag is not None and native_kernels:
         return Bf16Choice(
-            native,
+            flag,
             "bfloat16",
             "bfloat16",
-            f"{native}: bf16 dots are native, so operands stay bf16; the C++ kernels write and "
+            f"{flag}: bf16 dots are native, so operands stay bf16; the C++ kernels write and "
             "read the caches in place, so they hold bf16 (half the bytes each decode step reads)",
         )
-    if native is not None:
+    if flag is not None:
         return Bf16Choice(
-            native,
+            flag,
             "bfloat16",
             "float32",
-            f"{native}: bf16 dots are native, so operands stay bf16; but XLA:CPU gathers and "
+            f"{flag}: bf16 dots are native, so operands stay bf16; but XLA:CPU gathers and "
             "scatters bf16 slowly (steps 3.7x slower with bf16 caches), and bf16 keys and "
             "values are exact in f32 (the C++ kernels that would serve bf16 caches did not build)",
         )
@@ -117,7 +117,7 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 @cache
 def host_choice() -> Bf16Choice:
     """This host's choice, logged once."""
-    choice = choose(host_cpu_flags(), all(native.library(kind) for kind in native.KERNELS))
+    choice = choose(host_cpu_flags(), native.available())
     log.info(
         "bfloat16 on this CPU (%s): operands in %s, caches in %s, because %s",
         choice.host,

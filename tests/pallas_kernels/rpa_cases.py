@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -97,3 +98,25 @@ def numpy_attention(b, *, sm_scale, sliding_window=None, soft_cap=None):
                 w = np.exp(sc - sc.max())
                 out[tok, h] = (w / w.sum()) @ vs
     return out
+
+
+def case_batch(rng, q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=True):
+    """`make_batch` from a test case's fields, each table two blocks wider than its longest row."""
+    return make_batch(
+        rng,
+        q_lens,
+        kv_lens,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        block_size=bs,
+        max_blocks=-(-max(kv_lens) // bs) + 2,
+        pad_seqs=pad_seqs,
+        pad_tokens=pad_tokens,
+        poison=poison,
+    )
+
+
+def as_jnp(b):
+    """A numpy batch's arrays as jax arrays."""
+    return {k: jnp.asarray(v) for k, v in b.items()}

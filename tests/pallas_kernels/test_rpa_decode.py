@@ -6,7 +6,7 @@ attends, bf16, and the promises it checks (one query per sequence, enough chunks
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rpa_cases import make_batch, numpy_attention
+from rpa_cases import as_jnp, case_batch, make_batch, numpy_attention
 
 from pallas_kernels.ragged_paged_attention import (
     decode,
@@ -25,25 +25,9 @@ CASES = [
 ]
 
 
-def _jnp(b):
-    return {k: jnp.asarray(v) for k, v in b.items()}
-
-
 def _batch(rng, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=False):
-    max_blocks = -(-max(kv_lens) // bs) + 2
-    return make_batch(
-        rng,
-        [1] * len(kv_lens),
-        kv_lens,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        block_size=bs,
-        max_blocks=max_blocks,
-        pad_seqs=pad_seqs,
-        pad_tokens=pad_tokens,
-        poison=poison,
-    )
+    q_lens = [1] * len(kv_lens)  # decode steps
+    return case_batch(rng, q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison)
 
 
 def test_live_chunks_match_reference_and_per_token_loop():
@@ -54,7 +38,7 @@ def test_live_chunks_match_reference_and_per_token_loop():
         need = decode.live_chunks(kl, bs)
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
         want = numpy_attention(b, **options)
-        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(as_jnp(b))
         chunks = need + 5 * (i % 2)  # exact, or with padding chunks
         # One slice holding every chunk, and slices of 2 and 3 (the last one padded or not).
         for most in (None, 16, 2, 3):  # None: this host's choice
@@ -63,7 +47,7 @@ def test_live_chunks_match_reference_and_per_token_loop():
                     **b, num_chunks=n, slice_chunks=most, **o
                 )
             )
-            out, broken = f(_jnp(b))
+            out, broken = f(as_jnp(b))
             out = np.asarray(out)
             where = f"{kl} {bs} chunks={chunks} slice_chunks={most}"
             assert not broken and np.isfinite(out).all(), where
@@ -108,7 +92,7 @@ def test_dispatcher_serves_decode_steps_with_prefix_lens():
         fast = ragged_paged_attention(**b, sm_scale=0.25, prefix_lens=prefix, decode_chunks=chunks)
         return plain, fast
 
-    plain, fast = both(_jnp(b))
+    plain, fast = both(as_jnp(b))
     np.testing.assert_allclose(fast, plain, atol=2e-6, rtol=2e-5)
 
 
@@ -127,18 +111,18 @@ def test_nan_in_keys_no_token_attends_changes_nothing():
                 **b, num_chunks=n, slice_chunks=2, **o
             )
         )
-        out = np.asarray(f(_jnp(b)))
+        out = np.asarray(f(as_jnp(b)))
         ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))
         assert np.isfinite(out).all(), kl
-        np.testing.assert_allclose(out, ref(_jnp(b)), atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(out, ref(as_jnp(b)), atol=2e-6, rtol=2e-5)
         # A NaN in a value the first sequence attends (its last key) reaches it and no other row.
         bad = dict(b)
         v = b["v_cache"].copy()
         last = kl[0] - 1
         v[b["block_tables"][0, last // bs], last % bs, 0, 0] = np.nan
         bad["v_cache"] = v
-        out = np.asarray(f(_jnp(bad)))
-        np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(ref(_jnp(bad)))))
+        out = np.asarray(f(as_jnp(bad)))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(ref(as_jnp(bad)))))
         assert np.isnan(out[0]).any() and np.isfinite(out[1:]).all()
 
 
@@ -147,7 +131,7 @@ def test_bf16_close_to_f32():
     kl = [9, 130, 20]
     b = _batch(rng, kl, 4, 2, 32, 8, 1, 0)
     want = numpy_attention(b, sm_scale=0.2)
-    bb = _jnp(b)
+    bb = as_jnp(b)
     for name in ("q", "k_cache", "v_cache"):
         bb[name] = bb[name].astype(jnp.bfloat16)
     n = decode.live_chunks(kl, 8)
@@ -183,6 +167,6 @@ def test_broken_promises_give_nan_not_a_truncated_answer():
     f = jax.jit(
         lambda b, n: decode.ragged_paged_decode(**b, num_chunks=n, sm_scale=0.25), static_argnums=1
     )
-    assert np.isnan(np.asarray(f(_jnp(b), decode.live_chunks(kl, 16) - 1))).all()
+    assert np.isnan(np.asarray(f(as_jnp(b), decode.live_chunks(kl, 16) - 1))).all()
     two = make_batch(rng, [2, 1], kl, hq=4, hkv=2, d=16, block_size=16, max_blocks=20, poison=False)
-    assert np.isnan(np.asarray(f(_jnp(two), 10))).all()
+    assert np.isnan(np.asarray(f(as_jnp(two), 10))).all()

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rpa_cases import make_batch, numpy_attention
+from rpa_cases import as_jnp, case_batch, make_batch, numpy_attention
 
 from pallas_kernels import native_build
 from pallas_kernels.ragged_paged_attention import (
@@ -30,24 +30,9 @@ CASES = [
 ]
 
 
-def _jnp(b):
-    return {k: jnp.asarray(v) for k, v in b.items()}
-
-
 def _batch(rng, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=True):
-    return make_batch(
-        rng,
-        [1] * len(kv_lens),
-        kv_lens,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        block_size=bs,
-        max_blocks=-(-max(kv_lens) // bs) + 2,
-        pad_seqs=pad_seqs,
-        pad_tokens=pad_tokens,
-        poison=poison,
-    )
+    q_lens = [1] * len(kv_lens)  # decode steps
+    return case_batch(rng, q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison)
 
 
 def _native(options, kind="decode"):
@@ -65,12 +50,12 @@ def test_matches_reference_live_chunks_and_per_token_loop():
     for kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES:
         b = _batch(rng, kl, hq, hkv, d, bs, ps, pt)
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
-        out = np.asarray(_native(options)(_jnp(b)))
-        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        out = np.asarray(_native(options)(as_jnp(b)))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(as_jnp(b))
         chunks = decode.live_chunks(kl, bs)
         live = jax.jit(
             lambda b, o=options, n=chunks: decode.ragged_paged_decode(**b, num_chunks=n, **o)
-        )(_jnp(b))
+        )(as_jnp(b))
         where = f"{kl} hq={hq} hkv={hkv} d={d} bs={bs} window={sw} cap={sc}"
         assert out.dtype == np.float32 and np.isfinite(out).all(), where
         np.testing.assert_allclose(out, numpy_attention(b, **options), atol=2e-5, rtol=2e-5)
@@ -92,8 +77,8 @@ def test_a_value_a_token_attends_that_is_not_finite_makes_it_nan():
         x = b[cache].copy()
         x[b["block_tables"][1, 33 // bs], 33 % bs, 1, 5] = value  # sequence 1, kv head 1
         bad[cache] = x
-        out = np.asarray(_native(options)(_jnp(bad)))
-        want = np.asarray(ref(_jnp(bad)))
+        out = np.asarray(_native(options)(as_jnp(bad)))
+        want = np.asarray(ref(as_jnp(bad)))
         np.testing.assert_array_equal(np.isnan(out), np.isnan(want), err_msg=f"{cache} {value}")
         assert np.isnan(out[1, 2:]).all() and np.isfinite(out[1, :2]).all(), (cache, value)
         assert np.isfinite(np.delete(out, 1, axis=0)).all(), (cache, value)
@@ -102,16 +87,16 @@ def test_a_value_a_token_attends_that_is_not_finite_makes_it_nan():
 def test_a_step_that_is_not_a_decode_is_all_nan():
     rng = np.random.default_rng(2)
     two = make_batch(rng, [2, 1], [30, 20], hq=4, hkv=2, d=16, block_size=16, max_blocks=4)
-    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25))(_jnp(two)))).all()
+    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25))(as_jnp(two)))).all()
 
 
 TARGET = native.KERNELS["decode"][2]
 
 
-def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_to_jnp():
+def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_toas_jnp():
     rng = np.random.default_rng(3)
     kl = [40, 3, 17, 90]
-    b = _jnp(_batch(rng, kl, 8, 2, 16, 8, 2, 2))
+    b = as_jnp(_batch(rng, kl, 8, 2, 16, 8, 2, 2))
     chunks = decode.live_chunks(kl, 8)
 
     def hlo(b, **kw):
@@ -136,7 +121,7 @@ def test_without_a_library_the_dispatcher_keeps_the_jnp_path(monkeypatch):
     monkeypatch.setattr(native, "library", lambda kind: None)
     q = jax.ShapeDtypeStruct((4, 8, 64), jnp.float32)
     assert not native.serves("decode", q, jax.ShapeDtypeStruct((9, 16, 2, 64), jnp.float32))
-    b = _jnp(_batch(np.random.default_rng(4), [5, 9], 4, 2, 16, 8, 0, 0))
+    b = as_jnp(_batch(np.random.default_rng(4), [5, 9], 4, 2, 16, 8, 0, 0))
     f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, decode_chunks=2))
     assert TARGET not in f.lower(b).as_text()
     with pytest.raises(native_build.BuildError, match="did not build"):
@@ -180,8 +165,8 @@ def test_prefill_matches_reference_tiles_and_per_token_loop():
             max_blocks=-(-max(kl) // bs) + 2, pad_seqs=ps, pad_tokens=pt,
         )  # fmt: skip
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
-        out = np.asarray(_native(options, "prefill")(_jnp(b)))
-        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        out = np.asarray(_native(options, "prefill")(as_jnp(b)))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(as_jnp(b))
         where = f"{ql} {kl} hq={hq} hkv={hkv} d={d} bs={bs} window={sw} cap={sc}"
         assert out.dtype == np.float32 and np.isfinite(out).all(), where
         np.testing.assert_allclose(out, numpy_attention(b, **options), atol=2e-5, rtol=2e-5)
@@ -197,15 +182,17 @@ def test_prefill_nan_in_an_attended_value_reaches_only_the_rows_that_attend_it()
     v[b["block_tables"][0, 30 // bs], 30 % bs, 0, 3] = np.nan  # sequence 0, position 30, kv head 0
     bad = dict(b, v_cache=v)
     options = dict(sm_scale=d**-0.5)
-    out = np.asarray(_native(options, "prefill")(_jnp(bad)))
-    ref = np.asarray(jax.jit(lambda b: reference.ragged_paged_attention(**b, **options))(_jnp(bad)))
+    out = np.asarray(_native(options, "prefill")(as_jnp(bad)))
+    ref = np.asarray(
+        jax.jit(lambda b: reference.ragged_paged_attention(**b, **options))(as_jnp(bad))
+    )
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
     # Tokens at positions 30.. of sequence 0 (rows 30..49), heads 0-1 of kv head 0: NaN.
     assert np.isnan(out[30:50, :2]).all() and np.isfinite(out[:30]).all()
     assert np.isfinite(out[30:50, 2:]).all() and np.isfinite(out[50:]).all()
     # Windowed: a row whose window starts past position 30 no longer sees it.
     windowed = dict(options, sliding_window=8)
-    out = np.asarray(_native(windowed, "prefill")(_jnp(bad)))
+    out = np.asarray(_native(windowed, "prefill")(as_jnp(bad)))
     assert np.isnan(out[30:38, :2]).all() and np.isfinite(out[38:50]).all()
 
 
@@ -214,13 +201,13 @@ def test_prefill_of_more_tokens_than_context_is_all_nan():
     b = make_batch(rng, [9, 3], [9, 20], hq=4, hkv=2, d=16, block_size=8, max_blocks=4)
     b["kv_lens"] = b["kv_lens"].copy()
     b["kv_lens"][0] = 5  # 9 query tokens in a context of 5
-    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25), "prefill")(_jnp(b)))).all()
+    assert np.isnan(np.asarray(_native(dict(sm_scale=0.25), "prefill")(as_jnp(b)))).all()
 
 
 def test_dispatcher_sends_f32_tiled_steps_to_the_prefill_kernel():
     rng = np.random.default_rng(8)
     ql, kl = [40, 1, 17], [90, 3, 17]
-    b = _jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=16, block_size=8, max_blocks=14))
+    b = as_jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=16, block_size=8, max_blocks=14))
     pairs = 2 * tiles_count(ql, kl)
     f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, tile_chunks=pairs))
     assert native.KERNELS["prefill"][2] in f.lower(b).as_text()
@@ -246,7 +233,7 @@ def test_bf16_queries_round_their_probabilities_as_the_reference():
     ]
     for kind, ql, kl in cases:
         b = make_batch(rng, ql, kl, hq=8, hkv=2, d=64, block_size=16, max_blocks=72)
-        b = _jnp(b)
+        b = as_jnp(b)
         for name in ("q", "k_cache", "v_cache"):  # bf16 values; the caches stay f32
             b[name] = b[name].astype(jnp.bfloat16).astype(jnp.float32)
         bf = dict(b, q=b["q"].astype(jnp.bfloat16))
@@ -270,7 +257,7 @@ def test_bf16_caches_give_what_f32_caches_of_the_same_values_give():
     rng = np.random.default_rng(10)
     cases = [("decode", [1, 1, 1], [700, 30, 64]), ("prefill", [300, 1, 40], [300, 90, 600])]
     for kind, ql, kl in cases:
-        b = _jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=64, block_size=16, max_blocks=46))
+        b = as_jnp(make_batch(rng, ql, kl, hq=8, hkv=2, d=64, block_size=16, max_blocks=46))
         for name in ("k_cache", "v_cache"):
             b[name] = b[name].astype(jnp.bfloat16).astype(jnp.float32)
         narrow = dict(b, k_cache=b["k_cache"].astype(jnp.bfloat16))

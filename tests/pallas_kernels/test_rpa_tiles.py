@@ -7,7 +7,7 @@ host count against the device's, and the dispatcher's routing (prefix_lens goes 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rpa_cases import make_batch, numpy_attention
+from rpa_cases import as_jnp, case_batch, numpy_attention
 
 from pallas_kernels.ragged_paged_attention import native, ragged_paged_attention, reference, tiles
 
@@ -21,28 +21,8 @@ CASES = [
 ]
 
 
-def _jnp(b):
-    return {k: jnp.asarray(v) for k, v in b.items()}
-
-
-def _batch(rng, q_lens, kv_lens, hq, hkv, d, bs, pad_seqs, pad_tokens, poison=True):
-    return make_batch(
-        rng,
-        q_lens,
-        kv_lens,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        block_size=bs,
-        max_blocks=-(-max(kv_lens) // bs) + 2,
-        pad_seqs=pad_seqs,
-        pad_tokens=pad_tokens,
-        poison=poison,
-    )
-
-
 def _tiles(b, n, **options):
-    return jax.jit(lambda b: tiles.ragged_paged_tiles(**b, num_pairs=n, **options))(_jnp(b))
+    return jax.jit(lambda b: tiles.ragged_paged_tiles(**b, num_pairs=n, **options))(as_jnp(b))
 
 
 # One slice holding every pair, and slices of 2 and 3 pairs (the last one padded or not).
@@ -54,11 +34,11 @@ def test_tiles_match_reference_and_per_token_loop():
     change nothing, as no token attends them."""
     rng = np.random.default_rng(0)
     for i, (ql, kl, hq, hkv, d, bs, sw, sc, ps, pt) in enumerate(CASES):
-        b = _batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
+        b = case_batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
         need = tiles.tile_chunks(zip(ql, kl, strict=True), bs)
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
         want = numpy_attention(b, **options)
-        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(as_jnp(b))
         for most in SLICES:
             out = np.asarray(_tiles(b, need + 7 * (i % 2), slice_pairs=most, **options))
             real = sum(ql)
@@ -74,13 +54,13 @@ def test_nan_in_an_attended_value_reaches_that_token_only():
     token NaN, exactly where the reference does, and no other token."""
     rng = np.random.default_rng(2)
     for ql, kl, hq, hkv, d, bs, sw, sc, ps, pt in CASES[:2]:
-        b = _batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
+        b = case_batch(rng, ql, kl, hq, hkv, d, bs, ps, pt)
         v = b["v_cache"].copy()
         last = kl[0] - 1
         v[b["block_tables"][0, last // bs], last % bs, 0, 0] = np.nan
         b["v_cache"] = v
         options = dict(sm_scale=d**-0.5, sliding_window=sw, soft_cap=sc)
-        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(_jnp(b))
+        ref = jax.jit(lambda b, o=options: reference.ragged_paged_attention(**b, **o))(as_jnp(b))
         need = tiles.tile_chunks(zip(ql, kl, strict=True), bs)
         # Slices of 2 pairs: the NaN sends one slice to the exact product, not the others.
         for most in (tiles.SLICE_PAIRS, 2):
@@ -97,9 +77,9 @@ def test_bf16_close_to_f32():
     running maximum spans pairs, so slicing the pairs must not change a bit of the output."""
     rng = np.random.default_rng(3)
     ql, kl = [40, 1, 9, 40], [40, 130, 20, 700]
-    b = _batch(rng, ql, kl, 4, 2, 32, 8, 1, 0, poison=False)
+    b = case_batch(rng, ql, kl, 4, 2, 32, 8, 1, 0, poison=False)
     want = numpy_attention(b, sm_scale=0.2)
-    bb = _jnp(b)
+    bb = as_jnp(b)
     for name in ("q", "k_cache", "v_cache"):
         bb[name] = bb[name].astype(jnp.bfloat16)
     n = tiles.tile_chunks(zip(ql, kl, strict=True), 8)
@@ -130,7 +110,7 @@ def test_too_few_pairs_give_nan_not_a_truncated_answer():
     """The host's count is what the device enumerates: one pair fewer breaks the promise."""
     rng = np.random.default_rng(4)
     for ql, kl, *_, bs, _sw, _sc, _ps, _pt in (CASES[0], CASES[2]):
-        b = _batch(rng, ql, kl, 4, 2, 16, bs, 0, 0, poison=False)
+        b = case_batch(rng, ql, kl, 4, 2, 16, bs, 0, 0, poison=False)
         need = tiles.tile_chunks(zip(ql, kl, strict=True), bs)
         assert np.isfinite(np.asarray(_tiles(b, need, sm_scale=0.25))).all()
         assert np.isnan(np.asarray(_tiles(b, need - 1, sm_scale=0.25))).all()
@@ -154,7 +134,7 @@ def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference(monkeypa
     monkeypatch.setattr(native, "library", lambda kind: None)
     rng = np.random.default_rng(5)
     ql, kl = [30, 1, 12], [50, 90, 12]
-    b = _batch(rng, ql, kl, 8, 2, 16, 8, 2, 2)
+    b = case_batch(rng, ql, kl, 8, 2, 16, 8, 2, 2)
     n = tiles.tile_chunks(zip(ql, kl, strict=True), 8)
     prefix = jnp.asarray([40, 3, 12, 0, 0], jnp.int32)
 
@@ -169,12 +149,12 @@ def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference(monkeypa
         )
         return plain, tiled, short, prefix_ref, prefix_tiled
 
-    plain, tiled, short, prefix_ref, prefix_tiled = calls(_jnp(b))
+    plain, tiled, short, prefix_ref, prefix_tiled = calls(as_jnp(b))
     np.testing.assert_allclose(tiled, plain, atol=2e-6, rtol=2e-5)
     assert np.isnan(np.asarray(short)).all()  # the tiles served it (and saw the short count)
     np.testing.assert_array_equal(np.asarray(prefix_tiled), np.asarray(prefix_ref))
     try:
-        ragged_paged_attention(**_jnp(b), sm_scale=0.25, tile_chunks=n, decode_chunks=3)
+        ragged_paged_attention(**as_jnp(b), sm_scale=0.25, tile_chunks=n, decode_chunks=3)
     except ValueError as err:
         assert "not both" in str(err)
     else:

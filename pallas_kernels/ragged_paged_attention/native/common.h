@@ -195,6 +195,25 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
   return total;
 }
 
+// The arguments of both attention handlers (decode.cc, prefill.cc), in native.py's order.
+inline auto attention_binding() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()  // q
+      .Arg<ffi::AnyBuffer>()         // k_cache: f32 or bf16
+      .Arg<ffi::AnyBuffer>()         // v_cache: as k_cache
+      .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+      .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+      .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+      .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+      .Attr<float>("sm_scale")
+      .Attr<int64_t>("window")
+      .Attr<float>("soft_cap")
+      .Attr<int64_t>("round_block")
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+
 // A step's work items, claimed one at a time by whichever thread is free. Shared with the
 // tasks scheduled on XLA's pool, so one that starts after the last item is done touches only
 // this (kept alive by its shared_ptr).

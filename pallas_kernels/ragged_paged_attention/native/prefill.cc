@@ -252,18 +252,4 @@ ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(VlaxPagedPrefill, Prefill,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_cache: f32 or bf16
-                                  .Arg<ffi::AnyBuffer>()  // v_cache: as k_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
-                                  .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("round_block")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VlaxPagedPrefill, Prefill, vlax::attention_binding());
