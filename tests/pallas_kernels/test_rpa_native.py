@@ -27,6 +27,10 @@ CASES = [
     ([7, 61, 300], 8, 1, 128, 256, 100, None, 3, 1),
     ([3, 1000], 2, 1, 256, 4, None, None, 0, 0),
     ([77, 500, 12], 16, 2, 80, 16, 64, 50.0, 1, 2),
+    # groups that value tiles of 4 or 2 heads do not divide (the last tile overlaps)
+    ([45, 16, 290], 6, 2, 64, 16, None, None, 1, 1),
+    ([31, 600], 7, 1, 64, 8, None, None, 0, 2),
+    ([200, 9], 10, 2, 128, 16, 50, None, 2, 0),
 ]
 
 

@@ -156,6 +156,32 @@ auto for_call(const char* what, xla::ffi::Buffer<xla::ffi::F32>& q, xla::ffi::An
 
 inline float finite_or_zero(float x) { return std::isfinite(x) ? x : 0.0f; }
 
+// The largest of s[from..to] (NaN passed over, as std::max does), 16 lanes at a time: a float
+// reduction the compiler must not reorder runs one element per latency of its op.
+inline float max_of(const float* s, int64_t from, int64_t to) {
+  vf m = vf{} + kMinusInf;
+  int64_t l = from;
+  for (; l + kLanes <= to + 1; l += kLanes) {
+    const vf x = load(s + l);
+    m = x > m ? x : m;
+  }
+  float r = kMinusInf;
+  for (int i = 0; i < kLanes; ++i) r = std::max(r, m[i]);
+  for (; l <= to; ++l) r = std::max(r, s[l]);
+  return r;
+}
+
+// The sum of s[from..to], 16 lanes at a time (max_of says why).
+inline float sum_of(const float* s, int64_t from, int64_t to) {
+  vf acc{};
+  int64_t l = from;
+  for (; l + kLanes <= to + 1; l += kLanes) acc += load(s + l);
+  float r = 0;
+  for (int i = 0; i < kLanes; ++i) r += acc[i];
+  for (; l <= to; ++l) r += s[l];
+  return r;
+}
+
 // One row's softmax over its keys at offsets [lo, hi] of `s` (scaled scores; offset l is key
 // position pos0 + l), in place: s[l] becomes the key's probability before normalisation and
 // `factor[b]` scales the keys of block b (of `block` positions, from block first_block) to the
@@ -173,9 +199,7 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
   for (int64_t b = b_lo; b <= b_hi; ++b) {
     const int64_t from = std::max(lo, block ? (first_block + b) * block - pos0 : lo);
     const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
-    float m = kMinusInf;
-    for (int64_t l = from; l <= to; ++l) m = std::max(m, s[l]);
-    running = std::max(running, m);
+    running = std::max(running, max_of(s, from, to));
     factor[b] = running;
   }
   const float top = finite_or_zero(running);
@@ -185,8 +209,7 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
     const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
     const float ref = finite_or_zero(factor[b]);
     for (int64_t l = from; l <= to; ++l) s[l] = exp_nonpositive(s[l] - ref);
-    float sum = 0;
-    for (int64_t l = from; l <= to; ++l) sum += s[l];
+    const float sum = sum_of(s, from, to);
     if (block)
       for (int64_t l = from; l <= to; ++l) s[l] = round_bf16(s[l]);
     factor[b] = exp_nonpositive(ref - top);

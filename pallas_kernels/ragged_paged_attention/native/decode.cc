@@ -1,9 +1,11 @@
 // Decode attention on the CPU straight from the paged KV cache: native.py says why.
 //
-// One query token per sequence, f32 queries and caches [num_blocks, block_size, Hkv, D] with D a
-// multiple of 16. Each sequence is one work item: its query heads' scores against its live keys,
-// read in place through its block table (no gathered copy), a two-pass softmax (softmax_row),
-// then the value sum, each head's accumulators kept in registers.
+// One query token per sequence, f32 queries and caches [num_blocks, block_size, Hkv, D] (f32 or
+// bf16) with D a multiple of 16. Each sequence is one work item, read in place through its block
+// table (no gathered copy) with the next rows prefetched (its blocks lie anywhere in the cache):
+// per kv head, 16 keys at a time are widened once and scored by each of its query heads, the 16
+// dots summed together (`sums`); a two-pass softmax per head (softmax_row); then the value sum,
+// each value row widened once for up to four query heads, their accumulators in registers.
 #include "common.h"
 
 namespace ffi = xla::ffi;
@@ -13,22 +15,93 @@ namespace {
 using namespace vlax;
 
 struct Scratch {
-  std::vector<float> scores, factors;
+  std::vector<float> scores, keys, totals, factors, zeros;
 };
 
-// The 16 lanes' sum as a tree of halves (a chain of 15 adds was the decode step's bottleneck).
-inline float lane_sum(vf x) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  v8 lo, hi;
-  std::memcpy(&lo, &x, sizeof(v8));
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(v8), sizeof(v8));
-  const v8 eight = lo + hi;
-  v4 a, b;
-  std::memcpy(&a, &eight, sizeof(v4));
-  std::memcpy(&b, reinterpret_cast<const char*>(&eight) + sizeof(v4), sizeof(v4));
-  const v4 four = a + b;
-  return (four[0] + four[2]) + (four[1] + four[3]);
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// Two vectors' lanes folded pairwise: lane i of the result is a[lo[i]] + a[hi[i]] over the 32
+// lanes of x then y.
+inline vf fold(vf x, vf y, vi lo, vi hi) {
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+// Lane i: the sum of the 16 lanes of acc[i], for acc in bit-reversed order (kReversed[i]: which
+// key acc[i] holds): four rounds of pairwise folds, 45 vector ops for 16 sums where one lane sum
+// each cost 8 (the score loop's cost when each key's dot was summed alone).
+constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline vf sums(const vf* acc) {
+  const vi lo1{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi hi1 = lo1 + 8;
+  const vi lo2{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi hi2 = lo2 + 4;
+  const vi lo3{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi hi3 = lo3 + 2;
+  const vi lo4{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi hi4 = lo4 + 1;
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold(acc[2 * i], acc[2 * i + 1], lo1, hi1);
+  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], lo3, hi3);
+  return fold(c[0], c[1], lo4, hi4);
+}
+
+constexpr int64_t kAhead = 8;  // value rows prefetched ahead
+
+// The cache lines of one head's row of D values, asked for ahead of their use: blocks lie
+// anywhere in the cache, where the hardware prefetcher does not follow.
+template <int D, typename T>
+inline void prefetch(const T* row) {
+  for (int64_t byte = 0; byte < D * int64_t{sizeof(T)}; byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+}
+
+// Values of one kv head for `NT` of its query heads at once (from head `a0`), each value row
+// widened once for all of them; `p` holds their probabilities (already scaled to the row's
+// maximum), `stride` apart.
+template <int C, typename T, int NT, typename At>
+void sum_values(const Step& st, const At& at, int64_t first, int64_t n, int64_t h, int64_t a0,
+                const float* p, int64_t stride, const float* totals, float* out) {
+  constexpr int D = C * 16;
+  vf o[NT][C];
+#pragma GCC unroll 16
+  for (int j = 0; j < NT; ++j)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) o[j][c] = vf{};
+  for (int64_t l = 0; l < n; ++l) {
+    const T* value = at(st.v, first + l) + h * D;
+    if (l + kAhead < n) prefetch<D, T>(at(st.v, first + l + kAhead) + h * D);
+    vf x[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) x[c] = load(value + 16 * c);
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; ++j) {
+      const float pj = p[j * stride + l];
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) o[j][c] += pj * x[c];
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    bool finite = true;
+    for (int c = 0; c < C; ++c) finite = finite && all_finite(o[j][c]);
+    if (!finite) {
+      // masked_values.py's rule: a head that attends a non-finite value row is NaN; otherwise
+      // the plain sum stands (an overflow stays inf, as in the reference).
+      for (int64_t l = 0; l < n; ++l) {
+        const T* value = at(st.v, first + l) + h * D;
+        bool bad = false;
+        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
+        if (bad) {
+          for (int c = 0; c < C; ++c) o[j][c] = vf{} + kNaN;
+          break;
+        }
+      }
+    }
+    const float inv = 1.0f / totals[a0 + j];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) store(out + (a0 + j) * D + 16 * c, o[j][c] * inv);
+  }
 }
 
 // Sequence i's query (token cu_q_lens[i]) against its keys: out [Hq, D] for that token.
@@ -58,18 +131,49 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
   auto at = [&](const void* cache, int64_t pos) {
     return static_cast<const T*>(cache) + table[pos / bs] * block + (pos % bs) * row;
   };
-  sc.scores.resize(hq * n);
-  for (int64_t l = 0; l < n; ++l) {
-    const T* key = at(st.k, first + l);
-    for (int64_t a = 0; a < hq; ++a) {
-      const float* qa = q + a * D;
-      const T* kh = key + (a / g) * D;
-      vf acc = load(qa) * load(kh);
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  sc.scores.resize(hq * padded);
+  sc.keys.resize(kLanes * D);
+  sc.zeros.assign(D, 0.0f);
+  sc.totals.resize(hq);
+  // Scores: 16 keys of one kv head at a time, widened once into `keys` (key kReversed[t] in row
+  // t, so that `sums` hands back key t in lane t), then each of its query heads' 16 dots.
+  for (int64_t h = 0; h < st.hkv; ++h) {
+    for (int64_t l0 = 0; l0 < n; l0 += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, n - l0);
+      for (int64_t t = l0 + kLanes; t < std::min<int64_t>(n, l0 + 2 * kLanes); ++t)
+        prefetch<D, T>(at(st.k, first + t) + h * D);
+      const float* rows[kLanes];
+      for (int t = 0; t < kLanes; ++t) {
+        if (kReversed[t] >= count) {
+          rows[t] = sc.zeros.data();
+        } else if constexpr (std::is_same_v<T, float>) {
+          rows[t] = at(st.k, first + l0 + kReversed[t]) + h * D;
+        } else {  // widened once here for all the kv head's query heads
+          const T* key = at(st.k, first + l0 + kReversed[t]) + h * D;
+          float* dst = sc.keys.data() + t * D;
 #pragma GCC unroll 16
-      for (int c = 1; c < C; ++c) acc += load(qa + 16 * c) * load(kh + 16 * c);
-      float s = lane_sum(acc) * st.scale;
-      if (st.soft_cap > 0) s = st.soft_cap * std::tanh(s / st.soft_cap);
-      sc.scores[a * n + l] = s;
+          for (int c = 0; c < C; ++c) store(dst + 16 * c, load(key + 16 * c));
+          rows[t] = dst;
+        }
+      }
+      for (int64_t a = h * g; a < (h + 1) * g; ++a) {
+        vf qa[C];
+#pragma GCC unroll 16
+        for (int c = 0; c < C; ++c) qa[c] = load(q + a * D + 16 * c);
+        vf acc[kLanes];
+#pragma GCC unroll 16
+        for (int t = 0; t < kLanes; ++t) {
+          vf dot = qa[0] * load(rows[t]);
+#pragma GCC unroll 16
+          for (int c = 1; c < C; ++c) dot += qa[c] * load(rows[t] + 16 * c);
+          acc[t] = dot;
+        }
+        float* s = sc.scores.data() + a * padded + l0;
+        store(s, sums(acc) * st.scale);
+        if (st.soft_cap > 0)
+          for (int64_t t = 0; t < count; ++t) s[t] = st.soft_cap * std::tanh(s[t] / st.soft_cap);
+      }
     }
   }
   const int64_t rb = st.round_block;
@@ -77,47 +181,30 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
   const int64_t blocks = rb ? (kv_len - 1) / rb - first_block + 1 : 1;
   sc.factors.resize(blocks);
   for (int64_t a = 0; a < hq; ++a) {
-    float* s = sc.scores.data() + a * n;
-    const float total = softmax_row(s, 0, n - 1, first, rb, first_block, blocks, sc.factors.data());
-    const int64_t h = a / g;
-    vf o[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) o[c] = vf{};
+    float* s = sc.scores.data() + a * padded;
+    sc.totals[a] = softmax_row(s, 0, n - 1, first, rb, first_block, blocks, sc.factors.data());
+    // Each block's factor taken into its probabilities, so the value sum is one pass.
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t from = rb ? std::max<int64_t>(0, (first_block + b) * rb - first) : 0;
       const int64_t to = rb ? std::min<int64_t>(n - 1, (first_block + b + 1) * rb - first - 1) : n - 1;
-      vf part[C];
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) part[c] = vf{};
-      for (int64_t l = from; l <= to; ++l) {
-        const T* value = at(st.v, first + l) + h * D;
-        const float p = s[l];
-#pragma GCC unroll 16
-        for (int c = 0; c < C; ++c) part[c] += p * load(value + 16 * c);
-      }
       const float f = sc.factors[b];
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) o[c] += f * part[c];
+      for (int64_t l = from; l <= to; ++l) s[l] *= f;
     }
-    bool finite = true;
-    for (int c = 0; c < C; ++c) finite = finite && all_finite(o[c]);
-    if (!finite) {
-      // masked_values.py's rule: a head that attends a non-finite value row is NaN; otherwise
-      // the plain sum stands (an overflow stays inf, as in the reference).
-      for (int64_t l = 0; l < n; ++l) {
-        const T* value = at(st.v, first + l) + h * D;
-        bool bad = false;
-        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
-        if (bad) {
-          for (int c = 0; c < C; ++c) o[c] = vf{} + kNaN;
-          break;
-        }
-      }
-    }
-    const float inv = 1.0f / total;
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) store(out + a * D + 16 * c, o[c] * inv);
   }
+  // Values: up to four query heads per pass over a kv head's rows (tiles may overlap: a head
+  // summed twice gets the same result twice).
+  const int64_t tile = g >= 4 && C <= 4 ? 4 : g >= 2 && C <= 8 ? 2 : 1;
+  for (int64_t h = 0; h < st.hkv; ++h)
+    for (int64_t j = 0; j < g; j += tile) {
+      const int64_t a0 = h * g + std::min(j, g - tile);
+      const float* p = sc.scores.data() + a0 * padded;
+      if (tile == 4)
+        sum_values<C, T, 4>(st, at, first, n, h, a0, p, padded, sc.totals.data(), out);
+      else if (tile == 2)
+        sum_values<C, T, 2>(st, at, first, n, h, a0, p, padded, sc.totals.data(), out);
+      else
+        sum_values<C, T, 1>(st, at, first, n, h, a0, p, padded, sc.totals.data(), out);
+    }
 }
 
 template <int C, typename T>
