@@ -104,13 +104,35 @@ def _apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(keep, logits, -jnp.inf)
 
 
+ARGMAX_CHUNK = 128  # columns per chunk of _argmax's first pass
+
+
 def _argmax(x: jax.Array) -> jax.Array:
-    """First index of the row maximum. jnp.argmax's variadic reduce is ~7x slower on XLA:CPU;
-    a float max over negated indices is exact for vocabularies below 2**24."""
-    top = jnp.max(x, axis=-1, keepdims=True)
-    index = jnp.arange(x.shape[-1], dtype=jnp.float32)
-    first = -jnp.max(jnp.where(x == top, -index, -jnp.inf), axis=-1)
-    return jnp.clip(first, 0, x.shape[-1] - 1).astype(jnp.int32)
+    """First index of the row maximum (all -inf: 0; a row holding NaN: an index in range, which
+    one depends on how XLA's max treats NaN). jnp.argmax's variadic reduce is ~7x slower on
+    XLA:CPU, and a float max over negated indices across the whole row cost a second full pass:
+    the full pass here is one max per chunk of ARGMAX_CHUNK columns; the first chunk holding the
+    row maximum is then searched alone (float indices are exact for vocabularies below 2**24).
+    Measured on a 2-core Xeon, the benchmark Llama's LM head and greedy sampling over [64, 32000]
+    bf16-rounded logits: 4.9 -> 4.2 ms."""
+    rows, width = x.shape
+    pad = -width % ARGMAX_CHUNK
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    chunks = x.reshape(rows, -1, ARGMAX_CHUNK)
+    tops = jnp.max(chunks, axis=-1)
+    top = jnp.max(tops, axis=-1, keepdims=True)
+    chunk = _first(tops == top)
+    inside = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]
+    first = chunk * ARGMAX_CHUNK + _first(inside == top)
+    return jnp.minimum(first, width - 1)
+
+
+def _first(hit: jax.Array) -> jax.Array:
+    """Each row's first True column; the last column where none is."""
+    index = jnp.arange(hit.shape[-1], dtype=jnp.float32)
+    first = -jnp.max(jnp.where(hit, -index, -jnp.inf), axis=-1)
+    return jnp.clip(first, 0, hit.shape[-1] - 1).astype(jnp.int32)
 
 
 def _random_sample(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -152,6 +154,24 @@ def test_greedy_is_argmax_and_bias_forces_tokens():
     ]
     tokens = np.asarray(sample(logits, _md(forced)).token_ids)
     np.testing.assert_array_equal(tokens, np.arange(64) % V)
+
+
+def test_argmax_takes_the_first_maximum_in_any_chunk_of_any_vocab():
+    """_argmax searches one chunk of columns after a max per chunk: ties within and across
+    chunks, the maximum in a last partial chunk, -inf rows, as np.argmax; a NaN row gives an
+    index in range."""
+    from runtime.runner.sampler import ARGMAX_CHUNK, _argmax
+
+    rng = np.random.default_rng(11)
+    for vocab in (1, 7, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 3 * ARGMAX_CHUNK - 5, 32000):
+        x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # many ties
+        x[1] = -np.inf
+        x[2, -1] = 50.0  # in the last (partial) chunk
+        x[3, : min(vocab, 2 * ARGMAX_CHUNK)] = 9.0  # a tie spanning chunks
+        x[4] = np.nan
+        got = np.asarray(jax.jit(_argmax)(jnp.asarray(x)))
+        np.testing.assert_array_equal(np.delete(got, 4), np.delete(x, 4, 0).argmax(-1), str(vocab))
+        assert 0 <= got[4] < vocab, vocab
 
 
 def test_logprobs_and_ranks_are_raw_and_padded_rows_stay_finite():
