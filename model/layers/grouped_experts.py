@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model.layers import compute
+
 MAX_TILE_ROWS = 64
 
 
@@ -73,8 +75,7 @@ def expert_mlp(
 
     def run_tile(tile, expert):
         h = jnp.dot(tile, gate_up[expert], preferred_element_type=jnp.float32).astype(x.dtype)
-        # silu in f32 rounded once, as torch computes it on bf16.
-        gate = jax.nn.silu(h[:, :inter].astype(jnp.float32)).astype(x.dtype)
+        gate = jax.nn.silu(compute.in_f32(h[:, :inter])).astype(x.dtype)
         h = (gate * h[:, inter:]).astype(down.dtype)
         return jnp.dot(h, down[expert], preferred_element_type=jnp.float32).astype(x.dtype)
 

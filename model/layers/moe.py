@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from model.config import ConfigError, ModelConfig
+from model.layers import compute
 from model.layers.grouped_experts import expert_mlp
 from model.layers.linear import project
 from model.layers.mlp import GatedMLP
@@ -240,7 +241,7 @@ def _gated_mlp(x, gate_up, down):
     """GatedMLP's computation (no bias) on [out, in] weights given as arrays."""
     h = project(x, gate_up).astype(x.dtype)
     n = h.shape[-1] // 2
-    y = (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(x.dtype)
+    y = (jax.nn.silu(compute.in_f32(h[:, :n])).astype(x.dtype) * h[:, n:]).astype(x.dtype)
     return project(y, down).astype(x.dtype)
 
 

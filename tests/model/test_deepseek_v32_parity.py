@@ -370,18 +370,26 @@ def test_contexts_within_index_topk_equal_dense_mla(v32):
 
 
 def test_bfloat16_logits_close_to_hf_bfloat16(v32):
-    """bf16 weights and activations (weights_proj kept in f32, as HF does): HF's bf16 scores pick
-    other positions than its f32 ones here (their logits differ by ~100% of their scale), and ours
-    follow HF's bf16 choices: logits within 3% of their scale, the same argmax everywhere."""
+    """bf16 weights and activations (weights_proj kept in f32, as HF does), several prompts: up to
+    index_topk positions the indexer selects every position and ours are within 3% of HF's bf16
+    logits' scale with the same argmax (measured: 1.2-2.4% over 13 prompts). Past it the
+    comparison is a coin flip, not a check: the bf16 top-k choices of the indexer (and of the
+    router) turn on margins down to 1e-4 of the scores at the top-k boundary, which one bf16
+    ulp moves either way (the same 13 prompts: 2-38% there, with the SiLU rounded as torch does
+    or as XLA's bf16 chain did); the f32 tests above check the sparse selection exactly."""
     path, _, _ = v32
-    tokens = _prompts(3, [20])[0]
-    want = hf_logits(hf_load(path, "bfloat16"), tokens)
+    hf = hf_load(path, "bfloat16")
     config = ModelConfig.from_pretrained(path, dtype="bfloat16")
     options = ModelOptions(block_size=BLOCK)
     graphdef, state = load_model(path, config, options)
-    caches = base.allocate(DeepseekV32ForCausalLM.cache_specs(config, options), 8)
-    batch = make_batch([SeqChunk(tuple(tokens), 0, (1, 2, 3, 4, 5))], BLOCK, num_tokens=32)
-    _, hidden = jax.jit(base.forward)(graphdef, state, caches, batch)
-    ours = np.asarray(jax.jit(base.compute_logits)(graphdef, state, hidden))[: len(tokens)]
-    assert np.abs(ours - want).max() < 0.03 * np.abs(want).max()
-    assert (ours.argmax(-1) == want.argmax(-1)).all()
+    forward, logits_of = jax.jit(base.forward), jax.jit(base.compute_logits)
+    dense = V32_TINY["index_topk"]
+    for seed in range(3, 9):
+        tokens = _prompts(seed, [20])[0]
+        want = hf_logits(hf, tokens)[:dense]
+        caches = base.allocate(DeepseekV32ForCausalLM.cache_specs(config, options), 8)
+        batch = make_batch([SeqChunk(tuple(tokens), 0, (1, 2, 3, 4, 5))], BLOCK, num_tokens=32)
+        _, hidden = forward(graphdef, state, caches, batch)
+        ours = np.asarray(logits_of(graphdef, state, hidden))[:dense]
+        assert np.abs(ours - want).max() < 0.03 * np.abs(want).max(), seed
+        assert (ours.argmax(-1) == want.argmax(-1)).all(), seed
