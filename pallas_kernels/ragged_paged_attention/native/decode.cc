@@ -18,8 +18,6 @@ struct Scratch {
   std::vector<float> scores, keys, totals, factors, zeros;
 };
 
-typedef int32_t vi __attribute__((vector_size(64)));
-
 // Two vectors' lanes folded pairwise: lane i of the result is a[lo[i]] + a[hi[i]] over the 32
 // lanes of x then y.
 inline vf fold(vf x, vf y, vi lo, vi hi) {
@@ -188,7 +186,8 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
       const int64_t from = rb ? std::max<int64_t>(0, (first_block + b) * rb - first) : 0;
       const int64_t to = rb ? std::min<int64_t>(n - 1, (first_block + b + 1) * rb - first - 1) : n - 1;
       const float f = sc.factors[b];
-      for (int64_t l = from; l <= to; ++l) s[l] *= f;
+      if (f != 1.0f)  // the last block's (the maximum's) is exactly 1
+        for (int64_t l = from; l <= to; ++l) s[l] *= f;
     }
   }
   // Values: up to four query heads per pass over a kv head's rows (tiles may overlap: a head

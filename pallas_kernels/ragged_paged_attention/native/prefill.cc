@@ -1,11 +1,12 @@
 // Causal attention of a step's query rows on the CPU, read in place from the paged cache:
 // native.py says why and what it serves.
 //
-// f32 queries and caches [num_blocks, block_size, Hkv, D], D a multiple of 16. A work item is a
-// tile of one sequence's query tokens and one kv head: its rows (tokens x the kv head's query
-// heads) score the keys up to the tile's last position, 16 keys at a time against a transposed
-// copy of those keys (each row's 16 scores one vector), take a two-pass softmax (softmax_row),
-// then sum the values four rows at a time with their accumulators in registers.
+// f32 queries and caches [num_blocks, block_size, Hkv, D] (f32 or bf16), D a multiple of 16. A
+// work item is a tile of one sequence's query tokens and one kv head: its rows (tokens x the kv
+// head's query heads) score the keys up to the tile's last position, 16 keys at a time against
+// a copy of those keys transposed in registers (each row's 16 scores one vector), take a softmax
+// (softmax_row) with each block's factor taken into its probabilities, then sum the values four
+// rows at a time with their accumulators in registers.
 #include "common.h"
 
 namespace ffi = xla::ffi;
@@ -21,9 +22,76 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> scores, keys, q, factors, total;
+  std::vector<float> scores, keys, q, factors, total, values;
   std::vector<int64_t> lo, hi;
+  std::vector<const float*> value_rows;
 };
+
+typedef int32_t vi __attribute__((vector_size(64)));
+
+// One round of `transpose`: rows i and i + S swap their off-diagonal blocks of S lanes.
+template <int S>
+inline void transpose_round(vf* x, vi lo, vi hi) {
+  for (int i = 0; i < kLanes; ++i)
+    if (!(i & S)) {
+      const vf a = x[i], b = x[i + S];
+      x[i] = __builtin_shuffle(a, b, lo);
+      x[i + S] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+// x[i][j] <-> x[j][i] in registers: four rounds, each swapping the off-diagonal blocks of half
+// the size within each pair of rows (a scalar copy of each element cost more than the scores).
+inline void transpose(vf* x) {
+  transpose_round<8>(x, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                     vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  transpose_round<4>(x, vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                     vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  transpose_round<2>(x, vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                     vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  transpose_round<1>(x, vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                     vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+
+// Rows r..r+R-1's scores against the 16 transposed keys of chunk k0 (sc.keys, [D][16]).
+template <int D, int R>
+inline void score_rows(Scratch& sc, int64_t r, int64_t padded, int64_t k0) {
+  vf acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = vf{};
+  const float* q = sc.q.data() + r * D;
+  for (int64_t d = 0; d < D; ++d) {
+    const vf kd = load(sc.keys.data() + d * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i] += q[i * D + d] * kd;
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) store(sc.scores.data() + (r + i) * padded + k0, acc[i]);
+}
+
+// o[i] += sum over keys l in [from, to] of p[i * stride + l] * value row l, for R rows at once.
+template <int C, int R>
+inline void sum_values(const float* const* vrows, const float* p, int64_t stride, int64_t from,
+                       int64_t to, vf (*o)[C]) {
+  vf acc[R][C];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[i][c] = o[i][c];
+  for (int64_t l = from; l <= to; ++l) {
+    const float* value = vrows[l];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const vf x = load(value + 16 * c);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[i][c] += p[i * stride + l] * x;
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) o[i][c] = acc[i][c];
+}
 
 // One tile: row r is token r / G of the tile and query head r % G of the kv head; its keys are
 // the offsets [lo[r], hi[r]] from the tile's first key position.
@@ -65,76 +133,76 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
     const float* src = st.q + ((it.first_token + r / g) * st.hq + it.head * g + r % g) * D;
     std::copy(src, src + D, sc.q.data() + r * D);
   }
-  // Scores: 16 keys at a time, transposed once to [D][16] and read by every row.
+  // Scores: 16 keys at a time, transposed once to [D][16] and read by every row, eight rows
+  // at a time (eight accumulators keep both FMA ports busy; four left half of them idle).
   for (int64_t k0 = 0; k0 < padded; k0 += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, span - k0);
-    for (int64_t i = 0; i < kLanes; ++i) {
-      const T* key = i < count ? at(st.k, pos0 + k0 + i) : nullptr;
-      for (int64_t d = 0; d < D; ++d) sc.keys[d * kLanes + i] = key ? widen(key[d]) : 0.0f;
+    const T* keys[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) keys[i] = i < count ? at(st.k, pos0 + k0 + i) : nullptr;
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      vf block[kLanes];
+      for (int i = 0; i < kLanes; ++i) block[i] = keys[i] ? load(keys[i] + 16 * c) : vf{};
+      transpose(block);
+      for (int i = 0; i < kLanes; ++i) store(sc.keys.data() + (16 * c + i) * kLanes, block[i]);
     }
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      vf a0{}, a1{}, a2{}, a3{};
-      const float* q0 = sc.q.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const vf kd = load(sc.keys.data() + d * kLanes);
-        a0 += q0[d] * kd;
-        a1 += q0[D + d] * kd;
-        a2 += q0[2 * D + d] * kd;
-        a3 += q0[3 * D + d] * kd;
-      }
-      store(sc.scores.data() + r * padded + k0, a0);
-      store(sc.scores.data() + (r + 1) * padded + k0, a1);
-      store(sc.scores.data() + (r + 2) * padded + k0, a2);
-      store(sc.scores.data() + (r + 3) * padded + k0, a3);
-    }
-    for (; r < rows; ++r) {
-      vf a{};
-      const float* qr = sc.q.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) a += qr[d] * load(sc.keys.data() + d * kLanes);
-      store(sc.scores.data() + r * padded + k0, a);
-    }
+    for (; r + 8 <= rows; r += 8) score_rows<D, 8>(sc, r, padded, k0);
+    for (; r + 4 <= rows; r += 4) score_rows<D, 4>(sc, r, padded, k0);
+    for (; r < rows; ++r) score_rows<D, 1>(sc, r, padded, k0);
   }
-  // Each row's softmax over its own keys; the others' scores are never read.
+  // Each row's softmax over its own keys (the others' scores are never read), each block's
+  // factor then taken into its probabilities, so that the value sum is one pass.
   const int64_t rb = st.round_block;
   const int64_t first_block = rb ? pos0 / rb : 0;
   const int64_t blocks = rb ? last / rb - first_block + 1 : 1;
   sc.lo.resize(rows);
   sc.hi.resize(rows);
   sc.total.resize(rows);
-  sc.factors.resize(rows * blocks);
+  sc.factors.resize(blocks);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = base + r / g;
-    sc.lo[r] = first_key(pos) - pos0;
-    sc.hi[r] = pos - pos0;
+    const int64_t lo = first_key(pos) - pos0, hi = pos - pos0;
+    sc.lo[r] = lo;
+    sc.hi[r] = hi;
     float* s = sc.scores.data() + r * padded;
-    for (int64_t l = sc.lo[r]; l <= sc.hi[r]; ++l) {
-      float x = s[l] * st.scale;
-      if (st.soft_cap > 0) x = st.soft_cap * std::tanh(x / st.soft_cap);
-      s[l] = x;
+    if (st.soft_cap > 0) {
+      for (int64_t l = lo; l <= hi; ++l) s[l] = st.soft_cap * std::tanh(s[l] * st.scale / st.soft_cap);
+    } else {
+      for (int64_t l = lo; l <= hi; ++l) s[l] *= st.scale;
     }
-    sc.total[r] = softmax_row(s, sc.lo[r], sc.hi[r], pos0, rb, first_block, blocks,
-                              sc.factors.data() + r * blocks);
+    sc.total[r] = softmax_row(s, lo, hi, pos0, rb, first_block, blocks, sc.factors.data());
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t from = std::max(lo, rb ? (first_block + b) * rb - pos0 : lo);
+      const int64_t to = std::min(hi, rb ? (first_block + b + 1) * rb - pos0 - 1 : hi);
+      const float f = sc.factors[b];
+      if (f != 1.0f)  // the last block's (the maximum's) is exactly 1
+        for (int64_t l = from; l <= to; ++l) s[l] *= f;
+    }
   }
-  // Values, block by block (one block unless rounding): four rows at a time over the keys of
-  // the block all four attend, then each row's own rest, each row's part scaled by its factor.
-  auto row_sum = [&](int64_t r, int64_t from, int64_t to, vf* o) {
-    const float* s = sc.scores.data() + r * padded;
-    for (int64_t l = from; l <= to; ++l) {
+  // Values: each row of the span widened once (bf16) or read in place (f32), then summed four
+  // rows at a time over the keys all four attend, and each row's own rest alone.
+  sc.value_rows.resize(span);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t l = 0; l < span; ++l) sc.value_rows[l] = at(st.v, pos0 + l);
+  } else {
+    sc.values.resize(span * D);
+    for (int64_t l = 0; l < span; ++l) {
       const T* value = at(st.v, pos0 + l);
-      const float p = s[l];
+      float* dst = sc.values.data() + l * D;
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) o[c] += p * load(value + 16 * c);
+      for (int c = 0; c < C; ++c) store(dst + 16 * c, load(value + 16 * c));
+      sc.value_rows[l] = dst;
     }
-  };
+  }
+  const float* const* vrows = sc.value_rows.data();
   auto finish = [&](int64_t r, vf* o) {
     bool finite = true;
     for (int c = 0; c < C; ++c) finite = finite && all_finite(o[c]);
     if (!finite) {  // masked_values.py: an attended non-finite value row makes the row NaN
       for (int64_t l = sc.lo[r]; l <= sc.hi[r]; ++l) {
-        const T* value = at(st.v, pos0 + l);
         bool bad = false;
-        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
+        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(vrows[l] + 16 * c));
         if (bad) {
           for (int c = 0; c < C; ++c) o[c] = vf{} + kNaN;
           break;
@@ -144,50 +212,28 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
     const float inv = 1.0f / sc.total[r];
     for (int c = 0; c < C; ++c) store(out_row(r) + 16 * c, o[c] * inv);
   };
-  for (int64_t r = 0; r < rows; r += 4) {
-    const int64_t n = std::min<int64_t>(4, rows - r);
-    vf o[4][C], part[4][C];
-    for (int i = 0; i < 4; ++i)
+  constexpr int kGroup = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // rows summed together, in registers
+  for (int64_t r = 0; r < rows; r += kGroup) {
+    const int64_t n = std::min<int64_t>(kGroup, rows - r);
+    vf o[kGroup][C];
+    for (int i = 0; i < kGroup; ++i)
       for (int c = 0; c < C; ++c) o[i][c] = vf{};
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t b_from = rb ? std::max<int64_t>(0, (first_block + b) * rb - pos0) : 0;
-      const int64_t b_to = rb ? std::min(span - 1, (first_block + b + 1) * rb - pos0 - 1) : span - 1;
-      int64_t from = b_from, to = b_to;
-      for (int64_t i = 0; i < n; ++i) {
-        from = std::max(from, sc.lo[r + i]);
-        to = std::min(to, sc.hi[r + i]);
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < C; ++c) part[i][c] = vf{};
-      if (n == 4) {
-        const float* s0 = sc.scores.data() + r * padded;
-        for (int64_t l = from; l <= to; ++l) {
-          const T* value = at(st.v, pos0 + l);
-          const float p0 = s0[l], p1 = s0[padded + l], p2 = s0[2 * padded + l];
-          const float p3 = s0[3 * padded + l];
-#pragma GCC unroll 16
-          for (int c = 0; c < C; ++c) {
-            const vf x = load(value + 16 * c);
-            part[0][c] += p0 * x;
-            part[1][c] += p1 * x;
-            part[2][c] += p2 * x;
-            part[3][c] += p3 * x;
-          }
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t lo = std::max(b_from, sc.lo[r + i]), hi = std::min(b_to, sc.hi[r + i]);
-        if (n < 4 || from > to) {
-          row_sum(r + i, lo, hi, part[i]);
-        } else {
-          row_sum(r + i, lo, from - 1, part[i]);
-          row_sum(r + i, to + 1, hi, part[i]);
-        }
-        const float f = sc.factors[(r + i) * blocks + b];
-        for (int c = 0; c < C; ++c) o[i][c] += f * part[i][c];
-      }
+    int64_t from = 0, to = span - 1;
+    for (int64_t i = 0; i < n; ++i) {
+      from = std::max(from, sc.lo[r + i]);
+      to = std::min(to, sc.hi[r + i]);
     }
-    for (int64_t i = 0; i < n; ++i) finish(r + i, o[i]);
+    if (n == kGroup && from <= to) {
+      sum_values<C, kGroup>(vrows, sc.scores.data() + r * padded, padded, from, to, o);
+    } else {
+      from = to + 1;  // no common range: each row alone over its own keys
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* p = sc.scores.data() + (r + i) * padded;
+      sum_values<C, 1>(vrows, p, padded, sc.lo[r + i], std::min(from - 1, sc.hi[r + i]), &o[i]);
+      sum_values<C, 1>(vrows, p, padded, std::max(to + 1, sc.lo[r + i]), sc.hi[r + i], &o[i]);
+      finish(r + i, o[i]);
+    }
   }
 }
 
