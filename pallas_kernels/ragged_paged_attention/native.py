@@ -14,7 +14,7 @@ intra-op threads. Measured per layer on a 2-core Xeon (AVX-512, f32, 8 query and
   two-pass softmax, each value row widened once for four heads' register accumulators.
 - every other causal step (native/prefill.cc), 2048 tokens of 11 rows (prompts of 39..441
   tokens and a 200-token chunk continuing a 400-token context): tiles.py 35.3 ms, 5.6 here (7.2
-  with bf16 queries and caches; 8.8 and 12.4 before the changes below). A work item is a tile
+  with bf16 queries and caches; 7.7 and 8.9 before the changes below, measured alike). A work item is a tile
   of one sequence's tokens and one kv head; its rows score 16 keys at a time, eight rows at once,
   against a copy of those keys transposed in registers (a scalar copy cost more than the dots),
   take a softmax whose exp and sum are one 16-lane pass (the compiler's own loops were 8 lanes
