@@ -59,34 +59,11 @@ inline bool all_finite(vf x) {
   return true;
 }
 
-// e^x for x <= 0 as 2^n e^r, r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split, Cephes' expf
-// polynomial), written without calls so that a loop over a row vectorizes. NaN stays NaN.
-inline float exp_nonpositive(float x) {
-  const float xc = x > -104.0f ? (x < 0.0f ? x : 0.0f) : -104.0f;
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // 2^n for n in [-150, 0] as two factors, each a normal float.
-  const int32_t whole = static_cast<int32_t>(n);
-  const int32_t half = whole / 2;
-  const int32_t bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
-  float a, b;
-  std::memcpy(&a, &bits_a, 4);
-  std::memcpy(&b, &bits_b, 4);
-  const float y = p * a * b;
-  return x != x ? x : (x < -104.0f ? 0.0f : y);
-}
-
 typedef int32_t vi __attribute__((vector_size(64)));
 
-// exp_nonpositive on 16 lanes, the same operations in the same order (so the same results): the
-// scalar form vectorizes only 8 lanes wide, and not inside a loop that also sums.
+// e^x for x <= 0 on 16 lanes as 2^n e^r, r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split,
+// Cephes' expf polynomial), written as vector operations: a scalar form vectorized only 8 lanes
+// wide, and not inside a loop that also sums. NaN stays NaN.
 inline vf exp_nonpositive(vf x) {
   const vf zero{}, floor = zero - 104.0f;
   const vf xc = x > floor ? (x < zero ? x : zero) : floor;
@@ -112,7 +89,7 @@ inline vf exp_nonpositive(vf x) {
   return x != x ? x : (x < floor ? zero : y);
 }
 
-// round_bf16 on 16 lanes.
+// x rounded to the nearest bfloat16 (ties to even), as floats; NaN stays NaN.
 inline vf round_bf16(vf x) {
   typedef uint32_t vu32 __attribute__((vector_size(64)));
   vu32 bits;
@@ -120,16 +97,6 @@ inline vf round_bf16(vf x) {
   bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
   vf y;
   std::memcpy(&y, &bits, sizeof(vf));
-  return x != x ? x : y;
-}
-
-// x rounded to the nearest bfloat16 (ties to even), as a float; NaN stays NaN.
-inline float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  float y;
-  std::memcpy(&y, &bits, 4);
   return x != x ? x : y;
 }
 
@@ -222,13 +189,17 @@ inline float exp_sum(float* s, int64_t from, int64_t to, float ref, bool round) 
     acc += e;
     store(s + l, round ? round_bf16(e) : e);
   }
+  if (l <= to) {  // the tail as one vector, padded with -inf: e^-inf adds 0
+    const int64_t n = to + 1 - l;
+    vf x = vf{} + kMinusInf;
+    std::memcpy(&x, s + l, n * sizeof(float));
+    const vf e = exp_nonpositive(x - ref);
+    acc += e;
+    const vf kept = round ? round_bf16(e) : e;
+    std::memcpy(s + l, &kept, n * sizeof(float));
+  }
   float total = 0;
   for (int i = 0; i < kLanes; ++i) total += acc[i];
-  for (; l <= to; ++l) {
-    const float e = exp_nonpositive(s[l] - ref);
-    total += e;
-    s[l] = round ? round_bf16(e) : e;
-  }
   return total;
 }
 
@@ -259,7 +230,7 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
     const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
     const float ref = finite_or_zero(factor[b]);
     const float sum = block ? exp_sum(s, from, to, ref, true) : exp_sum(s, from, to, ref, false);
-    factor[b] = exp_nonpositive(ref - top);
+    factor[b] = exp_nonpositive(vf{} + (ref - top))[0];
     total += factor[b] * sum;
   }
   return total;
