@@ -56,26 +56,29 @@ def _version(cxx: str) -> str:
     return done.stdout
 
 
-def build(source: Path) -> Path:
-    """The shared library of `source` for this host, compiled unless already in the cache."""
+def build(source: Path, defines: tuple[tuple[str, int], ...] = ()) -> Path:
+    """The shared library of `source` for this host, with these preprocessor `defines` (name,
+    value), compiled unless already in the cache."""
     cxx = compiler()
     include = jax.ffi.include_dir()
+    flags = (*FLAGS, *(f"-D{name}={value}" for name, value in defines))
     key = hashlib.sha256()
     # The source and every header beside it (what it may include).
     for part in (source, *sorted(source.parent.glob("*.h"))):
         key.update(part.read_bytes())
-    for part in (_version(cxx).encode(), " ".join(FLAGS).encode()):
+    for part in (_version(cxx).encode(), " ".join(flags).encode()):
         key.update(part)
     key.update(jaxlib.__version__.encode())
     key.update(" ".join(sorted(host_cpu_flags())).encode())
     directory = cache_root() / "native"
-    target = directory / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    named = "".join(f"-{name.lower()}{value}" for name, value in defines)
+    target = directory / f"{source.stem}{named}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / target.name
-        command = [cxx, *FLAGS, "-isystem", include, str(source), "-o", str(built)]
+        command = [cxx, *flags, "-isystem", include, str(source), "-o", str(built)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -87,11 +90,13 @@ def build(source: Path) -> Path:
 
 
 @cache
-def load(source: Path, symbol: str, target: str) -> Path | None:
+def load(
+    source: Path, symbol: str, target: str, defines: tuple[tuple[str, int], ...] = ()
+) -> Path | None:
     """Build `source` (`build`) and register its FFI handler `symbol` with XLA as `target` on the
     CPU, once per process; None, with the reason logged once, where it cannot be built here."""
     try:
-        path = build(source)
+        path = build(source, defines)
     except BuildError as e:
         log.warning("native CPU kernel %s unavailable, using the jnp path: %s", target, e)
         return None

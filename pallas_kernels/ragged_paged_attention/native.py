@@ -28,13 +28,13 @@ intra-op threads. Measured per layer on a 2-core Xeon (AVX-512, f32, 8 query and
 The attention kernels serve f32 or bf16 caches with f32 or bf16 queries (a bf16 model's
 probabilities rounded to bf16 relative to the running maximum over HF's key blocks, as
 rounding.py says), head dims in `HEAD_DIMS`, on the CPU where the libraries build
-(pallas_kernels/native_build.py, all at once on first use; otherwise it logs why, once, and the
-jnp paths serve). Results are the reference's within f32 rounding (other summation order, their
-own exp; a bf16 output may differ by one ulp), with its rules: keys a query does not attend are
-never read, an attended non-finite value row makes the heads reading it NaN (masked_values.py),
-and a step the kernel does not serve (decode: a row with more than one query token; prefill: more
-query tokens than context) is all NaN. They need no chunk or pair bound: a step is never
-truncated.
+(pallas_kernels/native_build.py, on first use; each attention library is built for the one head
+dim a model uses, ~3 s where every head dim took ~9; otherwise it logs why, once, and the jnp
+paths serve). Results are the reference's within f32 rounding (other summation order, their own
+exp; a bf16 output may differ by one ulp), with its rules: keys a query does not attend are never
+read, an attended non-finite value row makes the heads reading it NaN (masked_values.py), and a
+step the kernel does not serve (decode: a row with more than one query token; prefill: more query
+tokens than context) is all NaN. They need no chunk or pair bound: a step is never truncated.
 """
 
 from __future__ import annotations
@@ -61,32 +61,52 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 HEAD_DIMS = frozenset(16 * c for c in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16))
 
 
-def library(kind: str) -> Path | None:
-    """The `kind` kernel's library, built and registered once per process (native_build.load)."""
-    return _libraries()[kind]
+ATTENTION = ("decode", "prefill")  # built for one head dim each (native/common.h)
 
 
-def available() -> bool:
-    """Whether every kernel built here (a bf16 model then keeps bf16 caches: cpu_bf16.py)."""
-    return all(path is not None for path in _libraries().values())
+def library(kind: str, head_dim: int | None = None) -> Path | None:
+    """The `kind` kernel's library (an attention kind's for `head_dim`), built and registered
+    once per process (`prepare`)."""
+    return prepare(head_dim if kind in ATTENTION else None).get(kind)
+
+
+def available(head_dim: int) -> bool:
+    """Whether every kernel a model of attention head dim `head_dim` uses built here (a bf16
+    model then keeps bf16 caches: cpu_bf16.py)."""
+    built = prepare(head_dim)
+    return head_dim in HEAD_DIMS and all(path is not None for path in built.values())
 
 
 @cache
-def _libraries() -> dict[str, Path | None]:
-    # A first run compiles every kernel at once (each takes seconds, mostly XLA's FFI headers).
-    with ThreadPoolExecutor(len(KERNELS)) as pool:
-        list(pool.map(_try_build, KERNELS.values()))
-    return {kind: native_build.load(*spec) for kind, spec in KERNELS.items()}
+def prepare(head_dim: int | None) -> dict[str, Path | None]:
+    """The write kernel and, for a head dim in HEAD_DIMS, the attention kernels for it, compiled
+    at once (each takes seconds, mostly XLA's FFI headers) and registered: {kind: library, or
+    None where it did not build}."""
+    kinds = {"write": ()}
+    if head_dim in HEAD_DIMS:
+        kinds |= {kind: (("VLAX_HEAD_DIM", head_dim),) for kind in ATTENTION}
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        list(pool.map(_try_build, kinds, kinds.values()))
+    return {
+        kind: native_build.load(*KERNELS[kind][:2], _target(kind, head_dim), defines)
+        for kind, defines in kinds.items()
+    }
 
 
-def _try_build(spec) -> None:
+def _target(kind: str, head_dim: int | None) -> str:
+    """The FFI target of `kind`'s kernel: one per head dim for the attention kinds."""
+    return f"{KERNELS[kind][2]}_d{head_dim}" if kind in ATTENTION else KERNELS[kind][2]
+
+
+def _try_build(kind: str, defines) -> None:
     with contextlib.suppress(native_build.BuildError):  # load() says why, once
-        native_build.build(spec[0])
+        native_build.build(KERNELS[kind][0], defines)
 
 
 def serves(kind: str, q, k_cache) -> bool:
     """Whether the `kind` attention kernel serves a step with these queries and caches, here."""
-    return q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and _serves(kind, k_cache)
+    head_dim = q.shape[-1]
+    return q.dtype in DTYPES and head_dim in HEAD_DIMS and _serves(kind, k_cache, head_dim)
 
 
 def serves_write(cache) -> bool:
@@ -94,9 +114,11 @@ def serves_write(cache) -> bool:
     return _serves("write", cache)
 
 
-def _serves(kind: str, cache) -> bool:
+def _serves(kind: str, cache, head_dim: int | None = None) -> bool:
     return (
-        platform.current_platform() == "cpu" and cache.dtype in DTYPES and library(kind) is not None
+        platform.current_platform() == "cpu"
+        and cache.dtype in DTYPES
+        and library(kind, head_dim) is not None
     )
 
 
@@ -144,9 +166,13 @@ def _attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ):
-    if library(kind) is None:
-        raise native_build.BuildError(f"the native {kind} kernel did not build here (logged)")
-    call = jax.ffi.ffi_call(KERNELS[kind][2], jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    head_dim = q.shape[-1]
+    if library(kind, head_dim) is None:
+        raise native_build.BuildError(
+            f"the native {kind} kernel for head dim {head_dim} did not build here (logged; "
+            f"head dims built: {sorted(HEAD_DIMS)})"
+        )
+    call = jax.ffi.ffi_call(_target(kind, head_dim), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     # A bf16 model's probabilities round as HF's do (rounding.py); its queries are exact in f32.
     round_block = rounding.KEY_BLOCK if rounding.rounds(q.dtype) else 0
     out = call(

@@ -115,9 +115,10 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 @cache
-def host_choice() -> Bf16Choice:
-    """This host's choice, logged once."""
-    choice = choose(host_cpu_flags(), native.available())
+def host_choice(head_dim: int) -> Bf16Choice:
+    """This host's choice for a model of attention head dim `head_dim` (the C++ kernels are
+    built per head dim), logged once."""
+    choice = choose(host_cpu_flags(), native.available(head_dim))
     log.info(
         "bfloat16 on this CPU (%s): operands in %s, caches in %s, because %s",
         choice.host,

@@ -92,7 +92,7 @@ def _decode_chunk_blocks(backends: dict, block_size: int) -> int:
     return rpa_decode.chunk_blocks(block_size) if choice and choice.impl == "reference" else 0
 
 
-def cache_dtype(model_dtype: str, attention_backend: str) -> str:
+def cache_dtype(model_dtype: str, attention_backend: str, head_dim: int) -> str:
     """The dtype the runner asks a family to keep its caches in.
 
     On the CPU a bf16 model's cache dtype is chosen per host, from the CPU's bf16 support and
@@ -101,13 +101,14 @@ def cache_dtype(model_dtype: str, attention_backend: str) -> str:
     (XLA:CPU moves bf16 through gathers and scatters slowly, and bf16 keys and values are exact in
     f32, so the numbers are the same at twice the memory). A forced kernel keeps the model's
     dtype. "auto" never picks an interpret-mode kernel, so on the CPU it means the jnp path.
+    `head_dim`: the model's attention head dim, which the kernels are built for.
     """
     if (
         model_dtype == "bfloat16"
         and current_platform() == "cpu"
         and attention_backend in ("auto", "reference")
     ):
-        return cpu_bf16.host_choice().cache_dtype
+        return cpu_bf16.host_choice(head_dim).cache_dtype
     return model_dtype
 
 
@@ -119,7 +120,7 @@ def model_options(
     model is built and traced (per host, runner/cpu_bf16.py; the layers read it:
     model/layers/compute.py)."""
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
-        widen = cpu_bf16.host_choice().compute_dtype == "float32"
+        widen = cpu_bf16.host_choice(model_config.head_dim).compute_dtype == "float32"
         wide = False
         if widen:
             wide, why = cpu_bf16.keep_weights_wide(
@@ -129,7 +130,7 @@ def model_options(
         compute.widen_bf16(widen, weights=wide)
     return ModelOptions(
         block_size=block_size,
-        cache_dtype=cache_dtype(model_config.dtype, attention_backend),
+        cache_dtype=cache_dtype(model_config.dtype, attention_backend, model_config.head_dim),
         attention_backend=attention_backend,
     )
 

@@ -43,9 +43,16 @@ def _native(options, kind="decode"):
     return jax.jit(lambda b: getattr(native, kind)(**b, **options))
 
 
-def test_builds_here():
+def test_builds_here_per_head_dim():
     # CI installs a compiler (.ci/run): the kernels are never silently absent there.
-    assert native.library("decode") is not None and native.library("prefill") is not None
+    assert native.available(64) and native.library("write") is not None
+    for kind in native.ATTENTION:
+        path = native.library(kind, 64)
+        assert path is not None and "-vlax_head_dim64-" in path.name, path
+        assert native.library(kind, 32) != path  # another head dim: another library
+    # A head dim no kernel serves builds nothing but the write kernel: a bf16 model of it keeps
+    # f32 caches (cpu_bf16.py).
+    assert not native.available(72) and set(native.prepare(72)) == {"write"}
 
 
 def test_matches_reference_live_chunks_and_per_token_loop():
@@ -122,7 +129,7 @@ def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_toas_jnp()
 
 
 def test_without_a_library_the_dispatcher_keeps_the_jnp_path(monkeypatch):
-    monkeypatch.setattr(native, "library", lambda kind: None)
+    monkeypatch.setattr(native, "library", lambda kind, head_dim=None: None)
     q = jax.ShapeDtypeStruct((4, 8, 64), jnp.float32)
     assert not native.serves("decode", q, jax.ShapeDtypeStruct((9, 16, 2, 64), jnp.float32))
     b = as_jnp(_batch(np.random.default_rng(4), [5, 9], 4, 2, 16, 8, 0, 0))
@@ -134,14 +141,17 @@ def test_without_a_library_the_dispatcher_keeps_the_jnp_path(monkeypatch):
 
 def test_build_is_cached_per_host_and_says_why_it_cannot_build(monkeypatch, tmp_path):
     monkeypatch.setenv("VLAX_CACHE_DIR", str(tmp_path))
-    first = native_build.build(native.KERNELS["decode"][0])
+    source, d16 = native.KERNELS["decode"][0], (("VLAX_HEAD_DIM", 16),)
+    first = native_build.build(source, d16)
     assert first.parent == tmp_path / "native" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert native_build.build(native.KERNELS["decode"][0]) == first
+    assert native_build.build(source, d16) == first
     assert first.stat().st_mtime_ns == stamp  # not rebuilt
+    with pytest.raises(native_build.BuildError, match="VLAX_HEAD_DIM"):  # the head dim it needs
+        native_build.build(source)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(native_build.BuildError, match="no-such-compiler"):
-        native_build.build(native.KERNELS["decode"][0])
+        native_build.build(source, d16)
     broken = tmp_path / "broken.cc"
     broken.write_text("this is not C++\n")
     monkeypatch.delenv("CXX")

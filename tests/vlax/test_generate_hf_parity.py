@@ -130,7 +130,7 @@ def test_bf16_f32_kv_cache_on_cpu_gives_the_bf16_cache_tokens(tmp_path, monkeypa
     runs = []
     for backend, kernels in (("reference", False), ("reference", True), ("pallas", True)):
         choice = cpu_bf16.choose(flags, native_kernels=kernels)
-        monkeypatch.setattr(cpu_bf16, "host_choice", lambda choice=choice: choice)
+        monkeypatch.setattr(cpu_bf16, "host_choice", lambda head_dim, choice=choice: choice)
         llm = LLM(path, max_model_len=64, max_num_seqs=2, block_size=8, attention_backend=backend)
         kv_dtype = llm.engine.runner.kv_caches[0][0].dtype.name
         runs.append((kv_dtype, _ours(llm.generate(prompts, GREEDY, use_tqdm=False))))

@@ -115,24 +115,17 @@ struct Step {
   int64_t round_block;    // 0: f32 probabilities; else bf16 ones per block of keys (softmax_row)
 };
 
-// Kernel<C, T>::run for head dim 16 C and cache element T (the head dims native.py's HEAD_DIMS
-// lists); nullptr for another head dim.
+// Kernel<C, T>::run for head dim 16 C and cache element T: a library serves the one head dim
+// it was built for (VLAX_HEAD_DIM, native.py: compiling every head dim cost ~9 s per kernel on
+// a first run, one ~3 s, mostly XLA's FFI headers); nullptr for another.
+#ifndef VLAX_HEAD_DIM
+#error "build with -DVLAX_HEAD_DIM=<a multiple of 16> (native.py)"
+#endif
+static_assert(VLAX_HEAD_DIM > 0 && VLAX_HEAD_DIM % 16 == 0, "VLAX_HEAD_DIM: a multiple of 16");
+
 template <template <int, typename> class Kernel, typename T>
 auto for_head_dim(int64_t d) -> decltype(&Kernel<1, T>::run) {
-  switch (d % 16 ? 0 : d / 16) {
-    case 1: return &Kernel<1, T>::run;
-    case 2: return &Kernel<2, T>::run;
-    case 3: return &Kernel<3, T>::run;
-    case 4: return &Kernel<4, T>::run;
-    case 5: return &Kernel<5, T>::run;
-    case 6: return &Kernel<6, T>::run;
-    case 7: return &Kernel<7, T>::run;
-    case 8: return &Kernel<8, T>::run;
-    case 10: return &Kernel<10, T>::run;
-    case 12: return &Kernel<12, T>::run;
-    case 16: return &Kernel<16, T>::run;
-    default: return nullptr;
-  }
+  return d == VLAX_HEAD_DIM ? &Kernel<VLAX_HEAD_DIM / 16, T>::run : nullptr;
 }
 
 // The attention kernels' entry: Kernel's run for these shapes and cache dtype, or the error
@@ -157,7 +150,8 @@ auto for_call(const char* what, xla::ffi::Buffer<xla::ffi::F32>& q, xla::ffi::An
                                          : for_head_dim<Kernel, uint16_t>(qd[2]);
   if (fn == nullptr)
     *error = ffi::Error::InvalidArgument(name + ": head dim " + std::to_string(qd[2]) +
-                                         " not served");
+                                         ", this library serves " +
+                                         std::to_string(VLAX_HEAD_DIM));
   return fn;
 }
 

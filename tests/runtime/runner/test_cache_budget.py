@@ -52,12 +52,12 @@ def test_a_budget_below_one_request_names_every_pool():
 def test_cache_dtype_on_the_cpu_is_the_hosts_choice_unless_a_kernel_is_forced():
     # The test suite runs JAX on the CPU (tests/conftest.py); runner/cpu_bf16.py chooses per host
     # (bf16 where bf16 is native and the C++ kernels built, f32 elsewhere).
-    host = cpu_bf16.host_choice().cache_dtype
+    host = cpu_bf16.host_choice(64).cache_dtype
     assert host in ("float32", "bfloat16")
-    assert cache_dtype("bfloat16", "auto") == host
-    assert cache_dtype("bfloat16", "reference") == host
-    assert cache_dtype("bfloat16", "pallas") == "bfloat16"
-    assert cache_dtype("float32", "auto") == "float32"
+    assert cache_dtype("bfloat16", "auto", 64) == host
+    assert cache_dtype("bfloat16", "reference", 64) == host
+    assert cache_dtype("bfloat16", "pallas", 64) == "bfloat16"
+    assert cache_dtype("float32", "auto", 64) == "float32"
 
 
 def test_a_model_without_state_gets_no_slots():

@@ -55,11 +55,11 @@ def test_cpu_flags_reads_the_first_processor(tmp_path):
 def test_the_runner_logs_this_hosts_choice_once(caplog):
     cpu_bf16.host_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="runtime.runner.cpu_bf16"):
-        assert cache_dtype("bfloat16", "auto") == cpu_bf16.host_choice().cache_dtype
-        cache_dtype("bfloat16", "reference")
+        assert cache_dtype("bfloat16", "auto", 64) == cpu_bf16.host_choice(64).cache_dtype
+        cache_dtype("bfloat16", "reference", 64)
     lines = [r.getMessage() for r in caplog.records if r.name == "runtime.runner.cpu_bf16"]
     assert len(lines) == 1 and lines[0].startswith("bfloat16 on this CPU ("), lines
-    assert cpu_bf16.host_choice().reason in lines[0]
+    assert cpu_bf16.host_choice(64).reason in lines[0]
 
 
 def test_the_runner_widens_bf16_operands_only_on_hosts_without_bf16_dots(monkeypatch):
@@ -69,7 +69,7 @@ def test_the_runner_widens_bf16_operands_only_on_hosts_without_bf16_dots(monkeyp
     try:
         for flags, widened in (({"avx2"}, True), ({"avx2", "avx512_bf16"}, False), (set(), True)):
             choice = choose(frozenset(_BASE | flags))
-            monkeypatch.setattr(cpu_bf16, "host_choice", lambda choice=choice: choice)
+            monkeypatch.setattr(cpu_bf16, "host_choice", lambda head_dim, choice=choice: choice)
             compute.widen_bf16(not widened)
             model_options(bf16, 16, "auto")
             assert compute.widening() is widened, flags
@@ -104,7 +104,9 @@ def test_available_memory_reads_memavailable(tmp_path):
 def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, monkeypatch, caplog):
     path = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=1, dtype="bfloat16")
     config = ModelConfig.from_pretrained(path)
-    monkeypatch.setattr(cpu_bf16, "host_choice", lambda: choose(frozenset(_BASE | {"avx2"})))
+    monkeypatch.setattr(
+        cpu_bf16, "host_choice", lambda head_dim: choose(frozenset(_BASE | {"avx2"}))
+    )
     before = compute.widening(), compute.wide_weights()
     try:
         for available, wide in ((2**34, True), (2**10, False), (None, False)):
@@ -122,7 +124,7 @@ def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, mo
             dense = {a.dtype for a in jax.tree.leaves(state) if a.ndim == 2}
             assert dense == {np.dtype("float32" if wide else "bfloat16")}, (available, dense)
         monkeypatch.setattr(
-            cpu_bf16, "host_choice", lambda: choose(frozenset(_BASE | {"avx512_bf16"}))
+            cpu_bf16, "host_choice", lambda head_dim: choose(frozenset(_BASE | {"avx512_bf16"}))
         )
         model_options(config, 16, "auto")  # native bf16 dots: nothing widened
         assert not compute.widening() and not compute.wide_weights()
