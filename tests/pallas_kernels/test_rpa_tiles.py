@@ -131,7 +131,7 @@ def test_host_count_and_its_bound():
 
 def test_dispatcher_routes_tiles_and_sends_prefix_lens_to_the_reference(monkeypatch):
     # Where the C++ kernel serves f32 steps (test_rpa_native.py) the dispatcher takes it instead.
-    monkeypatch.setattr(native, "library", lambda kind: None)
+    monkeypatch.setattr(native, "library", lambda kind, head_dim=None: None)
     rng = np.random.default_rng(5)
     ql, kl = [30, 1, 12], [50, 90, 12]
     b = case_batch(rng, ql, kl, 8, 2, 16, 8, 2, 2)
