@@ -169,10 +169,11 @@ def ragged_paged_attention(
         if native.serves("decode", q, k_cache):
             return native.decode(*args, **kwargs)
         return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
-    if choice.impl == "reference" and tile_chunks and prefix_lens is None:
-        if native.serves("prefill", q, k_cache):
+    if choice.impl == "reference" and tile_chunks:
+        if native.serves("prefill", q, k_cache):  # causal or a prefix LM's
             return native.prefill(*args, **kwargs)
-        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
+        if prefix_lens is None:
+            return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
     return choice.fn(*args, **kwargs)
 
 

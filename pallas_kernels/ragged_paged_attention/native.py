@@ -12,7 +12,7 @@ intra-op threads. Measured per layer on a 2-core Xeon (AVX-512, f32, 8 query and
   key widened once for its kv head's query heads, 16 keys' dots summed together (one key's dot
   summed alone cost 1.35 ms f32, 1.7 bf16), the next rows prefetched (1.15-1.35 ms without), a
   two-pass softmax, each value row widened once for four heads' register accumulators.
-- every other causal step (native/prefill.cc), 2048 tokens of 11 rows (prompts of 39..441
+- every other causal or prefix-LM step (native/prefill.cc), 2048 tokens of 11 rows (prompts of 39..441
   tokens and a 200-token chunk continuing a 400-token context): tiles.py 35.3 ms, 5.6 here (7.2
   with bf16 queries and caches; 7.7 and 8.9 before the changes below, measured alike). A work item is a tile
   of one sequence's tokens and one kv head; its rows score 16 keys at a time, eight rows at once,
@@ -142,14 +142,17 @@ def decode(
     nothing: a row's one query is its last position."""
     del prefix_lens
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    return _attention("decode", *args, **options)
+    return _attention("decode", *args, None, **options)
 
 
-def prefill(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, **options):
-    """The reference's result for a causal step (rows of any number of query tokens, each
-    row's the last of its context) that `serves("prefill", ...)` accepts."""
+def prefill(
+    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, prefix_lens=None, **options
+):
+    """The reference's result for a step of rows of any number of query tokens, each row's the
+    last of its context, causal or (`prefix_lens`) a prefix LM's, that `serves("prefill", ...)`
+    accepts."""
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
-    return _attention("prefill", *args, **options)
+    return _attention("prefill", *args, prefix_lens, **options)
 
 
 def _attention(
@@ -161,6 +164,7 @@ def _attention(
     block_tables,
     cu_q_lens,
     num_seqs,
+    prefix_lens,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -183,6 +187,10 @@ def _attention(
         block_tables.astype(jnp.int32),
         cu_q_lens.astype(jnp.int32),
         jnp.reshape(num_seqs, (1,)).astype(jnp.int32),
+        # 0: causal (decode reads none: its one query per row is its last position)
+        jnp.zeros_like(kv_lens, jnp.int32)
+        if prefix_lens is None
+        else prefix_lens.astype(jnp.int32),
         sm_scale=np.float32(sm_scale),
         window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),

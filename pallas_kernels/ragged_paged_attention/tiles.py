@@ -26,7 +26,8 @@ Semantics are the reference's (reference.py): the plain value product is exact w
 is all finite; otherwise the slice is redone on the same gathered values with non-finite value rows
 entering as zeros and the queries that attend one set to NaN (pallas_kernels/masked_values.py).
 A `prefix_lens` call is not served here (a prefix widens a tile's horizon past its last query,
-which the host's count does not see): the dispatcher sends it to the reference.
+which the host's count does not see): the dispatcher sends it to the C++ prefill kernel
+(native.py) where that serves, else to the reference.
 """
 
 from __future__ import annotations

@@ -188,6 +188,59 @@ def test_prefill_matches_reference_tiles_and_per_token_loop():
         assert (out[sum(ql) :] == 0).all(), where  # padding query rows
 
 
+# (query tokens, context, prefix length): a prefix LM's step (PaliGemma), each a named scenario
+PREFIX_CASES = {
+    "whole prompt is the prefix": (70, 70, 70),
+    "prefix then a causal suffix in one step": (90, 90, 40),
+    "one token after the prefix": (1, 30, 16),
+    "last tokens of a prefix whose first blocks are cached": (5, 44, 44),
+    "suffix tokens after a cached prefix": (6, 26, 20),
+    "no prefix (causal)": (37, 37, 0),
+    "prefix longer than the context so far": (20, 20, 300),
+}
+
+
+def test_prefill_serves_a_prefix_lm_as_the_reference():
+    """prefix_lens: a token sees every key up to max(its position, prefix - 1) (reference.py);
+    f32 and bf16 (rounded probabilities across 512-key blocks), with and without a window, and
+    the dispatcher sends such a step here."""
+    rng = np.random.default_rng(8)
+    names = list(PREFIX_CASES)
+    q_lens, kv_lens, prefix = zip(*PREFIX_CASES.values(), strict=True)
+    b = as_jnp(
+        make_batch(
+            rng, q_lens, kv_lens, hq=8, hkv=2, d=64, block_size=16, max_blocks=8, pad_tokens=3,
+            pad_seqs=1,
+        )
+    )  # fmt: skip
+    lens = jnp.asarray([*prefix, 0], jnp.int32)
+    rows = np.cumsum([0, *q_lens])
+    for window, dtype in ((None, jnp.float32), (24, jnp.float32), (None, jnp.bfloat16)):
+        options = dict(sm_scale=0.125, sliding_window=window)
+        q = dict(b, q=b["q"].astype(dtype))
+        out = jax.jit(lambda b, p, o=options: native.prefill(**b, prefix_lens=p, **o))(q, lens)
+        ref = jax.jit(
+            lambda b, p, o=options: reference.ragged_paged_attention(**b, prefix_lens=p, **o)
+        )(q, lens)
+        out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        for i, name in enumerate(names):
+            got, want = out[rows[i] : rows[i + 1]], ref[rows[i] : rows[i + 1]]
+            where = f"{name}, window {window}, {jnp.dtype(dtype).name}"
+            assert np.isfinite(got).all(), where
+            tol = (
+                dict(atol=2e-6, rtol=2e-5) if dtype == jnp.float32 else dict(rtol=2**-7, atol=2**-9)
+            )
+            np.testing.assert_allclose(got, want, err_msg=where, **tol)
+    hlo = (
+        jax.jit(
+            lambda b, p: ragged_paged_attention(**b, prefix_lens=p, sm_scale=0.125, tile_chunks=8)
+        )
+        .lower(b, lens)
+        .as_text()
+    )
+    assert native.KERNELS["prefill"][2] in hlo
+
+
 def test_prefill_nan_in_an_attended_value_reaches_only_the_rows_that_attend_it():
     rng = np.random.default_rng(6)
     ql, kl, hq, hkv, d, bs = [50, 20], [50, 60], 4, 2, 32, 16

@@ -108,6 +108,7 @@ struct Step {
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu_q_lens;
+  const int32_t* prefix_lens;  // [S]: a prefix LM's two-way prefix (0: causal)
   float* out;
   int64_t num_blocks, block_size, hkv, hq, width;
   float scale, soft_cap;  // soft_cap 0: none
@@ -242,6 +243,7 @@ inline auto attention_binding() {
       .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
       .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
       .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+      .Arg<ffi::Buffer<ffi::S32>>()  // prefix_lens [S] (prefill; decode reads none)
       .Attr<float>("sm_scale")
       .Attr<int64_t>("window")
       .Attr<float>("soft_cap")

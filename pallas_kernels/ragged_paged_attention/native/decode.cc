@@ -223,7 +223,8 @@ struct Sequence {
 ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                  ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> prefix_lens,
+                  float sm_scale, int64_t window, float soft_cap,
                   int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
   ffi::Error error = ffi::Error::Success();
   const Attend fn = for_call<Kernel>("native decode", q, k, v, &error);
@@ -241,9 +242,10 @@ ffi::Error Decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
       return ffi::Error::Success();
     }
   }
+  (void)prefix_lens;  // a decode row's one query is its last position: causal either way
   const Step step{q.typed_data(), k.untyped_data(), v.untyped_data(), kv_lens.typed_data(),
-                  tables.typed_data(), cu, o, kd[0], kd[1], kd[2], qd[1], tables.dimensions()[1],
-                  sm_scale, soft_cap, window, round_block};
+                  tables.typed_data(), cu, nullptr, o, kd[0], kd[1], kd[2], qd[1],
+                  tables.dimensions()[1], sm_scale, soft_cap, window, round_block};
   auto work = std::make_shared<Work<int32_t, Sequence>>();
   work->fn = Sequence{step, fn};
   for (int64_t i = 0; i < seqs; ++i)  // only sequences with a query token are work items

@@ -107,6 +107,9 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   // Token j of the tile sits at position base + j.
   const int64_t base = kv_len - q_len + (it.first_token - st.cu_q_lens[it.seq]);
   const int64_t last = base + it.tokens - 1;
+  // A prefix LM's token sees every key up to max(its position, prefix - 1) (reference.py).
+  const int64_t prefix_end = std::min<int64_t>(st.prefix_lens[it.seq], kv_len) - 1;
+  const int64_t reach = std::max(last, prefix_end);  // the tile's last key
   auto first_key = [&](int64_t pos) {
     return st.window > 0 ? std::max<int64_t>(0, pos - st.window + 1) : 0;
   };
@@ -118,13 +121,13 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
     for (int64_t r = 0; r < rows; ++r) std::fill(out_row(r), out_row(r) + D, kNaN);
   };
   if (base < 0 || kv_len > st.width * bs) return fail();
-  for (int64_t b = pos0 / bs; b <= last / bs; ++b)
+  for (int64_t b = pos0 / bs; b <= reach / bs; ++b)
     if (table[b] < 0 || table[b] >= st.num_blocks) return fail();
   auto at = [&](const void* cache, int64_t pos) {
     return static_cast<const T*>(cache) + table[pos / bs] * block_floats +
            (pos % bs) * row_floats + it.head * D;
   };
-  const int64_t span = last - pos0 + 1;
+  const int64_t span = reach - pos0 + 1;
   const int64_t padded = (span + kLanes - 1) / kLanes * kLanes;
   sc.scores.resize(rows * padded);
   sc.keys.resize(D * kLanes);
@@ -155,14 +158,14 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   // factor then taken into its probabilities, so that the value sum is one pass.
   const int64_t rb = st.round_block;
   const int64_t first_block = rb ? pos0 / rb : 0;
-  const int64_t blocks = rb ? last / rb - first_block + 1 : 1;
+  const int64_t blocks = rb ? reach / rb - first_block + 1 : 1;
   sc.lo.resize(rows);
   sc.hi.resize(rows);
   sc.total.resize(rows);
   sc.factors.resize(blocks);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = base + r / g;
-    const int64_t lo = first_key(pos) - pos0, hi = pos - pos0;
+    const int64_t lo = first_key(pos) - pos0, hi = std::max(pos, prefix_end) - pos0;
     sc.lo[r] = lo;
     sc.hi[r] = hi;
     float* s = sc.scores.data() + r * padded;
@@ -254,7 +257,8 @@ struct Tile {
 ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::Buffer<ffi::S32> kv_lens,
                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                   ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t window, float soft_cap,
+                   ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> prefix_lens,
+                   float sm_scale, int64_t window, float soft_cap,
                    int64_t round_block, ffi::ResultBuffer<ffi::F32> out) {
   ffi::Error error = ffi::Error::Success();
   const Attend fn = for_call<Kernel>("native prefill", q, k, v, &error);
@@ -266,6 +270,8 @@ ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
   const int32_t* cu = cu_q_lens.typed_data();
   const int32_t* lens = kv_lens.typed_data();
+  if (prefix_lens.dimensions()[0] < seqs)
+    return ffi::Error::InvalidArgument("native prefill: prefix_lens [S] shorter than the sequences");
   const int64_t g = qd[1] / kd[2];
   const int64_t tile = std::max<int64_t>(1, kRowTarget / g);
   auto work = std::make_shared<Work<Item, Tile>>();
@@ -282,15 +288,17 @@ ffi::Error Prefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer
                                    static_cast<int32_t>(cu[i] + start),
                                    static_cast<int32_t>(std::min(tile, q_len - start))});
   }
-  // Costliest tiles (tokens x their last position) first: the last items claimed are short.
+  // Costliest tiles (tokens x their last key) first: the last items claimed are short.
   auto cost = [&](const Item& a) {
-    return (lens[a.seq] - (cu[a.seq + 1] - a.first_token - a.tokens)) * int64_t{a.tokens};
+    const int64_t reach = std::max<int64_t>(lens[a.seq] - (cu[a.seq + 1] - a.first_token - a.tokens),
+                                            std::min(prefix_lens.typed_data()[a.seq], lens[a.seq]));
+    return reach * int64_t{a.tokens};
   };
   std::stable_sort(work->items.begin(), work->items.end(),
                    [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   work->fn = Tile{Step{q.typed_data(), k.untyped_data(), v.untyped_data(), lens, tables.typed_data(),
-                       cu, o, kd[0], kd[1], kd[2], qd[1], tables.dimensions()[1], sm_scale,
-                       soft_cap, window, round_block},
+                       cu, prefix_lens.typed_data(), o, kd[0], kd[1], kd[2], qd[1],
+                       tables.dimensions()[1], sm_scale, soft_cap, window, round_block},
                   fn};
   run_on(pool, work);
   return ffi::Error::Success();
