@@ -1,18 +1,20 @@
 """Self-attention within each sequence of a ragged batch of whole prompts, with no KV cache:
 encoders (bidirectional) and any model whose every sequence is computed in one step.
 
-Two layouts, by the dense-attention implementation chosen once when the model is built
+Three ways, by the dense-attention implementation chosen once when the model is built
 (`choose_backend`):
 
 - A kernel (pallas_kernels.flash_attention on a GPU): the flat token axis is gathered into one
   padded row per sequence, [S, L] with L a static bound on every sequence's length (the caller's:
   the model's max_model_len or what the batch's block tables can hold), padding marked by segment
   ids; the result is gathered back onto the flat axis.
-- The jnp reference (the CPU): a loop over the batch's real sequences, each attending within a
-  window of L tokens of the flat axis. The padded layout computes S_pad x L^2 scores, most of them
-  for padding: a step of 9 prompts of ~215 tokens is bucketed to 16 rows of 256, and the
-  reference's masking passes over that tensor cost 3.7x the loop on a 2-core CPU (12 heads of 32,
-  best of 4, loaded). The loop computes num_seqs x L^2 and reads no padded copy of q, k, v.
+- On the CPU, f32, where the C++ kernels build: the paged prefill kernel reading the step's keys
+  and values in place (`native_attention`).
+- The jnp reference (the CPU otherwise): a loop over the batch's real sequences, each attending
+  within a window of L tokens of the flat axis. The padded layout computes S_pad x L^2 scores,
+  most of them for padding: a step of 9 prompts of ~215 tokens is bucketed to 16 rows of 256, and
+  the reference's masking passes over that tensor cost 3.7x the loop on a 2-core CPU (12 heads of
+  32, best of 4, loaded). The loop computes num_seqs x L^2 and reads no padded copy of q, k, v.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax import lax
 
 from pallas_kernels.backends import Choice
 from pallas_kernels.flash_attention import flash_attention, select
+from pallas_kernels.ragged_paged_attention import native
 
 
 def choose_backend(*, num_heads: int, head_dim: int, dtype, causal: bool, impl: str) -> Choice:
@@ -51,12 +54,48 @@ def ragged_self_attention(
     after the last sequence (batch padding) get finite values that no caller reads.
     """
     max_len = min(max_len, q.shape[0])
+    if backend.impl == "reference" and q.dtype == jnp.float32 and native.serves("prefill", q, k):
+        return native_attention(
+            q, k, v, cu_q_lens, num_seqs, max_len=max_len, causal=causal, sm_scale=sm_scale
+        )
     if backend.impl == "reference":
         return sequence_loop_attention(
             q, k, v, cu_q_lens, num_seqs, max_len=max_len, causal=causal, sm_scale=sm_scale
         )
     return _padded_attention(
         q, k, v, cu_q_lens, max_len=max_len, causal=causal, sm_scale=sm_scale, backend=backend
+    )
+
+
+def native_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    max_len: int,
+    causal: bool,
+    sm_scale: float,
+) -> jax.Array:
+    """The C++ prefill kernel (ragged_paged_attention/native.py) reading this step's keys and
+    values in place: the token axis is a paged cache of one token per page, each sequence's
+    table its own tokens; bidirectional as a prefix LM whose prefix is the whole sequence. f32
+    only: a bf16 query would round its probabilities as HF's causal flash kernel does, which the
+    loop (the semantics here) does not."""
+    num_tokens = q.shape[0]
+    lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    tables = jnp.minimum(cu_q_lens[:-1, None] + jnp.arange(max_len)[None, :], num_tokens - 1)
+    return native.prefill(
+        q,
+        k[:, None],
+        v[:, None],
+        lens,
+        tables,
+        cu_q_lens,
+        num_seqs,
+        prefix_lens=None if causal else lens,
+        sm_scale=sm_scale,
     )
 
 

@@ -14,9 +14,11 @@ import numpy as np
 from model.layers.encoder_attention import (
     _padded_attention,
     choose_backend,
+    native_attention,
     ragged_self_attention,
     sequence_loop_attention,
 )
+from pallas_kernels.ragged_paged_attention import native
 
 HEADS, DIM = 4, 16
 REFERENCE = choose_backend(
@@ -65,7 +67,36 @@ def test_loop_matches_padded_layout_on_ragged_batches():
                 assert bool(jnp.all(jnp.isfinite(got))), case
 
 
-def test_dispatch_takes_the_loop_for_the_reference_backend():
+def _native(q, k, v, cu, n, *, window, causal):
+    fn = jax.jit(native_attention, static_argnames=("max_len", "causal", "sm_scale"))
+    return fn(q, k, v, cu, n, max_len=window, causal=causal, sm_scale=DIM**-0.5)
+
+
+def test_native_kernel_matches_the_loop_on_ragged_batches():
+    """The C++ prefill kernel over the step's tokens as one-token pages: the loop's results,
+    bidirectional and causal, grouped heads, lengths 1 to the window; padding rows zero."""
+    assert native.available(DIM)  # CI installs a compiler (.ci/run)
+    rng = np.random.default_rng(3)
+    for causal in (False, True):
+        for kv_heads in (HEADS, 1):
+            for lengths in BATCHES:
+                q = jnp.asarray(rng.standard_normal((NUM_TOKENS, HEADS, DIM)), jnp.float32)
+                k, v = (
+                    jnp.asarray(rng.standard_normal((NUM_TOKENS, kv_heads, DIM)), jnp.float32)
+                    for _ in range(2)
+                )
+                cu, n = _cu(lengths, NUM_PADDED), jnp.int32(len(lengths))
+                got = _native(q, k, v, cu, n, window=WINDOW, causal=causal)
+                want = _loop(q, k, v, cu, n, window=WINDOW, causal=causal)
+                real = sum(lengths)
+                case = (causal, kv_heads, lengths)
+                np.testing.assert_allclose(
+                    got[:real], want[:real], rtol=2e-5, atol=2e-6, err_msg=str(case)
+                )
+                assert bool(jnp.all(got[real:] == 0)), case
+
+
+def test_dispatch_takes_the_native_kernel_for_f32_and_the_loop_for_bf16():
     rng = np.random.default_rng(1)
     cu, n = _cu([9, 20, 3], NUM_PADDED), jnp.int32(3)
     shape = (WINDOW, HEADS, DIM)
@@ -73,10 +104,15 @@ def test_dispatch_takes_the_loop_for_the_reference_backend():
     fn = jax.jit(
         ragged_self_attention, static_argnames=("max_len", "causal", "sm_scale", "backend")
     )
-    got = fn(q, k, v, cu, n, max_len=64, causal=False, sm_scale=DIM**-0.5, backend=REFERENCE)
+    kw = dict(max_len=64, causal=False, sm_scale=DIM**-0.5, backend=REFERENCE)
+    assert native.KERNELS["prefill"][2] in fn.lower(q, k, v, cu, n, **kw).as_text()
+    got = fn(q, k, v, cu, n, **kw)
     # The window is the smaller of max_len and the batch's token count.
     want = _loop(q, k, v, cu, n, window=WINDOW, causal=False)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got[:32], want[:32], rtol=2e-5, atol=2e-6)
+    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = fn(*narrow, cu, n, **kw)
+    np.testing.assert_array_equal(got, _loop(*narrow, cu, n, window=WINDOW, causal=False))
 
 
 def test_non_finite_values_stay_in_their_sequence():
@@ -95,3 +131,6 @@ def test_non_finite_values_stay_in_their_sequence():
     )
     assert bool(jnp.all(jnp.isfinite(got[:10])))
     np.testing.assert_allclose(got[:10], alone[:10], rtol=1e-6, atol=1e-7)
+    # The native kernel reads only each sequence's own rows.
+    native_got = _native(q, k, v, cu, jnp.int32(2), window=WINDOW, causal=False)
+    np.testing.assert_allclose(native_got[:10], alone[:10], rtol=2e-5, atol=2e-6)
