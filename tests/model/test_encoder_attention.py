@@ -1,5 +1,5 @@
-"""The encoder's per-sequence loop attention (the CPU path) against the padded layout through the
-flash-attention reference on ragged batches: many shapes in one test (bidirectional and causal,
+"""The encoder's CPU paths (the C++ prefill kernel for f32, the per-sequence loop otherwise)
+against the padded layout through the flash-attention reference on ragged batches: many shapes in one test (bidirectional and causal,
 grouped key/value heads, lengths 1 to the window, padding sequences and padding tokens), and the
 scenario the loop must keep from breaking: a non-finite value in one sequence's rows (or in the
 batch padding after the last one) never reaches another sequence's output, although windows
@@ -47,7 +47,15 @@ def _padded(q, k, v, cu, *, window, causal):
     return fn(q, k, v, cu, max_len=window, causal=causal, sm_scale=DIM**-0.5, backend=REFERENCE)
 
 
-def test_loop_matches_padded_layout_on_ragged_batches():
+def _native(q, k, v, cu, n, *, window, causal):
+    fn = jax.jit(native_attention, static_argnames=("max_len", "causal", "sm_scale"))
+    return fn(q, k, v, cu, n, max_len=window, causal=causal, sm_scale=DIM**-0.5)
+
+
+def test_loop_and_native_kernel_match_padded_layout_on_ragged_batches():
+    """The loop and the C++ prefill kernel over the step's tokens as one-token pages
+    (native_attention) give the padded layout's results; the kernel's padding rows are zero."""
+    assert native.available(DIM)  # CI installs a compiler (.ci/run)
     rng = np.random.default_rng(0)
     for causal in (False, True):
         for kv_heads in (HEADS, 1):
@@ -65,35 +73,9 @@ def test_loop_matches_padded_layout_on_ragged_batches():
                 assert got.shape == q.shape, case
                 np.testing.assert_allclose(got[:real], want[:real], rtol=2e-5, atol=2e-6)
                 assert bool(jnp.all(jnp.isfinite(got))), case
-
-
-def _native(q, k, v, cu, n, *, window, causal):
-    fn = jax.jit(native_attention, static_argnames=("max_len", "causal", "sm_scale"))
-    return fn(q, k, v, cu, n, max_len=window, causal=causal, sm_scale=DIM**-0.5)
-
-
-def test_native_kernel_matches_the_loop_on_ragged_batches():
-    """The C++ prefill kernel over the step's tokens as one-token pages: the loop's results,
-    bidirectional and causal, grouped heads, lengths 1 to the window; padding rows zero."""
-    assert native.available(DIM)  # CI installs a compiler (.ci/run)
-    rng = np.random.default_rng(3)
-    for causal in (False, True):
-        for kv_heads in (HEADS, 1):
-            for lengths in BATCHES:
-                q = jnp.asarray(rng.standard_normal((NUM_TOKENS, HEADS, DIM)), jnp.float32)
-                k, v = (
-                    jnp.asarray(rng.standard_normal((NUM_TOKENS, kv_heads, DIM)), jnp.float32)
-                    for _ in range(2)
-                )
-                cu, n = _cu(lengths, NUM_PADDED), jnp.int32(len(lengths))
-                got = _native(q, k, v, cu, n, window=WINDOW, causal=causal)
-                want = _loop(q, k, v, cu, n, window=WINDOW, causal=causal)
-                real = sum(lengths)
-                case = (causal, kv_heads, lengths)
-                np.testing.assert_allclose(
-                    got[:real], want[:real], rtol=2e-5, atol=2e-6, err_msg=str(case)
-                )
-                assert bool(jnp.all(got[real:] == 0)), case
+                fast = _native(q, k, v, cu, jnp.int32(len(lengths)), window=WINDOW, causal=causal)
+                np.testing.assert_allclose(fast[:real], want[:real], rtol=2e-5, atol=2e-6)
+                assert bool(jnp.all(fast[real:] == 0)), case
 
 
 def test_dispatch_takes_the_native_kernel_for_f32_and_the_loop_for_bf16():
