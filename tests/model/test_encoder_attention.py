@@ -1,9 +1,9 @@
 """The encoder's CPU paths (the C++ prefill kernel for f32, the per-sequence loop otherwise)
-against the padded layout through the flash-attention reference on ragged batches: many shapes in one test (bidirectional and causal,
-grouped key/value heads, lengths 1 to the window, padding sequences and padding tokens), and the
-scenario the loop must keep from breaking: a non-finite value in one sequence's rows (or in the
-batch padding after the last one) never reaches another sequence's output, although windows
-overlap the next sequence's rows."""
+against the padded layout through the flash-attention reference on ragged batches: many shapes in
+one test (bidirectional and causal, grouped key/value heads, lengths 1 to the window, padding
+sequences and padding tokens), and the scenario the loop must keep from breaking: a non-finite
+value in one sequence's rows (or in the batch padding after the last one) never reaches another
+sequence's output, although windows overlap the next sequence's rows."""
 
 from __future__ import annotations
 
