@@ -67,8 +67,8 @@ typedef int32_t vi __attribute__((vector_size(64)));
 inline vf exp_nonpositive(vf x) {
   const vf zero{}, floor = zero - 104.0f;
   const vf xc = x > floor ? (x < zero ? x : zero) : floor;
-  // Round to nearest even, as nearbyint: |xc * log2 e| < 2^22 (the compiler must not contract
-  // the product into the sum, and with -std=c++17 it does not).
+  // n = xc log2 e rounded to an integer by adding and taking away 1.5 * 2^23 (|xc log2 e| < 2^22);
+  // r takes up whatever n is off by.
   const vf magic = zero + 12582912.0f;
   const vf n = (xc * 1.44269504088896341f + magic) - magic;
   const vf r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -79,6 +79,7 @@ inline vf exp_nonpositive(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+  // 2^n for n in [-150, 0] as two factors, each a normal float.
   const vi whole = __builtin_convertvector(n, vi);
   const vi half = whole / 2;
   const vi bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
