@@ -18,15 +18,16 @@ struct Scratch {
   std::vector<float> scores, keys, totals, factors, zeros;
 };
 
-// Two vectors' lanes folded pairwise: lane i of the result is a[lo[i]] + a[hi[i]] over the 32
-// lanes of x then y.
+// Two vectors' lanes folded pairwise: lane i of the result is xy[lo[i]] + xy[hi[i]], xy being
+// x's 16 lanes then y's.
 inline vf fold(vf x, vf y, vi lo, vi hi) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
-// Lane i: the sum of the 16 lanes of acc[i], for acc in bit-reversed order (kReversed[i]: which
-// key acc[i] holds): four rounds of pairwise folds, 45 vector ops for 16 sums where one lane sum
-// each cost 8 (the score loop's cost when each key's dot was summed alone).
+// Lane i of `sums`: the sum of the 16 lanes of acc[kReversed[i]] (the folds hand lanes back in
+// bit-reversed order, so the score loop puts key kReversed[t] in acc[t] and gets key i in lane
+// i): four rounds of pairwise folds, 45 vector ops for 16 sums where one lane sum each cost 8
+// (the score loop's cost when each key's dot was summed alone).
 constexpr int kReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 inline vf sums(const vf* acc) {
