@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.layers import compute
+from model.layers.mlp import gated
 
 MAX_TILE_ROWS = 64
 
@@ -75,8 +75,7 @@ def expert_mlp(
 
     def run_tile(tile, expert):
         h = jnp.dot(tile, gate_up[expert], preferred_element_type=jnp.float32).astype(x.dtype)
-        gate = jax.nn.silu(compute.in_f32(h[:, :inter])).astype(x.dtype)
-        h = (gate * h[:, inter:]).astype(down.dtype)
+        h = gated(h[:, :inter], h[:, inter:]).astype(down.dtype)
         return jnp.dot(h, down[expert], preferred_element_type=jnp.float32).astype(x.dtype)
 
     def skip_tile(tile, expert):

@@ -31,6 +31,11 @@ class GatedMLP(nnx.Module):
         # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
         n = self.intermediate
         gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())
-        # Rounded where HF rounds (the activation, then the product); the activation in f32.
-        act = ACTIVATIONS[self.act](compute.in_f32(gate)).astype(gate.dtype)
-        return self.down_proj((compute.operand(act) * compute.operand(up)).astype(gate.dtype))
+        return self.down_proj(gated(gate, up, self.act))
+
+
+def gated(gate: jax.Array, up: jax.Array, act: str = "silu") -> jax.Array:
+    """act(gate) * up in gate's dtype, rounded where HF rounds (the activation, then the
+    product), the activation computed in f32 (compute.in_f32); GatedMLP's and the MoE experts'."""
+    activated = ACTIVATIONS[act](compute.in_f32(gate)).astype(gate.dtype)
+    return (compute.operand(activated) * compute.operand(up)).astype(gate.dtype)

@@ -21,10 +21,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from model.config import ConfigError, ModelConfig
-from model.layers import compute
 from model.layers.grouped_experts import expert_mlp
 from model.layers.linear import project
-from model.layers.mlp import GatedMLP
+from model.layers.mlp import GatedMLP, gated
 from model.sharding import GROUP, on_each_device, on_mesh
 from model.weight_spec import WeightSpec
 
@@ -241,8 +240,7 @@ def _gated_mlp(x, gate_up, down):
     """GatedMLP's computation (no bias) on [out, in] weights given as arrays."""
     h = project(x, gate_up).astype(x.dtype)
     n = h.shape[-1] // 2
-    y = (jax.nn.silu(compute.in_f32(h[:, :n])).astype(x.dtype) * h[:, n:]).astype(x.dtype)
-    return project(y, down).astype(x.dtype)
+    return project(gated(h[:, :n], h[:, n:]), down).astype(x.dtype)
 
 
 def moe_weight_specs(

@@ -174,7 +174,7 @@ def _attention(
     if library(kind, head_dim) is None:
         raise native_build.BuildError(
             f"the native {kind} kernel for head dim {head_dim} did not build here (logged; "
-            f"head dims built: {sorted(HEAD_DIMS)})"
+            f"head dims served: {sorted(HEAD_DIMS)})"
         )
     call = jax.ffi.ffi_call(_target(kind, head_dim), jax.ShapeDtypeStruct(q.shape, jnp.float32))
     # A bf16 model's probabilities round as HF's do (rounding.py); its queries are exact in f32.

@@ -200,11 +200,13 @@ inline float exp_sum(float* s, int64_t from, int64_t to, float ref, bool round) 
 }
 
 // One row's softmax over its keys at offsets [lo, hi] of `s` (scaled scores; offset l is key
-// position pos0 + l), in place: s[l] becomes the key's probability before normalisation and
-// `factor[b]` scales the keys of block b (of `block` positions, from block first_block) to the
-// row's maximum; returns the row's sum. block 0: one block, nothing rounded. Otherwise, as HF's
-// bf16 attention through torch's CPU flash kernel (rounding.py): a key's probability is taken
-// relative to the running maximum over its row's blocks up to its own, and rounded to bf16.
+// position pos0 + l), in place: s[l] becomes the key's probability before normalisation,
+// relative to the row's maximum, so that the value sum is one pass; returns the row's sum.
+// `factor` is scratch for one float per block (of `block` positions, from block first_block).
+// block 0: one block, nothing rounded. Otherwise, as HF's bf16 attention through torch's CPU
+// flash kernel (rounding.py): a key's probability is taken relative to the running maximum over
+// its row's blocks up to its own and rounded to bf16, then scaled by that block's factor to the
+// row's maximum.
 inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t block,
                          int64_t first_block, int64_t blocks, float* factor) {
   auto block_of = [&](int64_t l) { return block ? (pos0 + l) / block - first_block : 0; };
@@ -226,8 +228,10 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
     const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
     const float ref = finite_or_zero(factor[b]);
     const float sum = block ? exp_sum(s, from, to, ref, true) : exp_sum(s, from, to, ref, false);
-    factor[b] = exp_nonpositive(vf{} + (ref - top))[0];
-    total += factor[b] * sum;
+    const float f = exp_nonpositive(vf{} + (ref - top))[0];
+    if (f != 1.0f)  // the block holding the maximum (and a single block) needs none
+      for (int64_t l = from; l <= to; ++l) s[l] *= f;
+    total += f * sum;
   }
   return total;
 }

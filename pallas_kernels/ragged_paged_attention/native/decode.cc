@@ -182,14 +182,6 @@ void attend(const Step& st, int64_t i, Scratch& sc) {
   for (int64_t a = 0; a < hq; ++a) {
     float* s = sc.scores.data() + a * padded;
     sc.totals[a] = softmax_row(s, 0, n - 1, first, rb, first_block, blocks, sc.factors.data());
-    // Each block's factor taken into its probabilities, so the value sum is one pass.
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t from = rb ? std::max<int64_t>(0, (first_block + b) * rb - first) : 0;
-      const int64_t to = rb ? std::min<int64_t>(n - 1, (first_block + b + 1) * rb - first - 1) : n - 1;
-      const float f = sc.factors[b];
-      if (f != 1.0f)  // the last block's (the maximum's) is exactly 1
-        for (int64_t l = from; l <= to; ++l) s[l] *= f;
-    }
   }
   // Values: up to four query heads per pass over a kv head's rows (tiles may overlap: a head
   // summed twice gets the same result twice).

@@ -1,11 +1,11 @@
-// Causal attention of a step's query rows on the CPU, read in place from the paged cache:
-// native.py says why and what it serves.
+// Causal (or prefix-LM) attention of a step's query rows on the CPU, read in place from the
+// paged cache: native.py says why and what it serves.
 //
 // f32 queries and caches [num_blocks, block_size, Hkv, D] (f32 or bf16), D a multiple of 16. A
 // work item is a tile of one sequence's query tokens and one kv head: its rows (tokens x the kv
-// head's query heads) score the keys up to the tile's last position, 16 keys at a time against
+// head's query heads) score the keys up to the tile's last key, 16 keys at a time against
 // a copy of those keys transposed in registers (each row's 16 scores one vector), take a softmax
-// (softmax_row) with each block's factor taken into its probabilities, then sum the values four
+// (softmax_row, its probabilities relative to the row's maximum), then sum the values four
 // rows at a time with their accumulators in registers.
 #include "common.h"
 
@@ -154,8 +154,7 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
     for (; r + 4 <= rows; r += 4) score_rows<D, 4>(sc, r, padded, k0);
     for (; r < rows; ++r) score_rows<D, 1>(sc, r, padded, k0);
   }
-  // Each row's softmax over its own keys (the others' scores are never read), each block's
-  // factor then taken into its probabilities, so that the value sum is one pass.
+  // Each row's softmax over its own keys (the others' scores are never read).
   const int64_t rb = st.round_block;
   const int64_t first_block = rb ? pos0 / rb : 0;
   const int64_t blocks = rb ? reach / rb - first_block + 1 : 1;
@@ -175,13 +174,6 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
       for (int64_t l = lo; l <= hi; ++l) s[l] *= st.scale;
     }
     sc.total[r] = softmax_row(s, lo, hi, pos0, rb, first_block, blocks, sc.factors.data());
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t from = std::max(lo, rb ? (first_block + b) * rb - pos0 : lo);
-      const int64_t to = std::min(hi, rb ? (first_block + b + 1) * rb - pos0 - 1 : hi);
-      const float f = sc.factors[b];
-      if (f != 1.0f)  // the last block's (the maximum's) is exactly 1
-        for (int64_t l = from; l <= to; ++l) s[l] *= f;
-    }
   }
   // Values: each row of the span widened once (bf16) or read in place (f32), then summed four
   // rows at a time over the keys all four attend, and each row's own rest alone.
