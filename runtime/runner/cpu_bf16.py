@@ -15,7 +15,10 @@ kind of host whatever machine runs the tests:
   kernels the step's cost is XLA's paged-attention gathers and scatters, which move bf16 slowly
   (measured: a whole bf16 step with bf16 caches ran 3.7x slower than with f32 caches); on AVX2 bf16
   caches would add conversions to each gather as well (and its widened operands were not
-  measured with the kernels); bf16 keys and values are exact in f32.
+  measured with the kernels); bf16 keys and values are exact in f32. A model whose attention
+  keeps no K/V pool (an MLA latent: DeepSeek, Kimi-Linear) is never served by those kernels,
+  so its caches are f32 too (a tiny DeepSeek-V3 bf16 run, 32 requests, AMX host: 3.69 s with
+  bf16 caches, 2.57 s with f32, the same tokens).
 - whether a model whose operands are widened also keeps its dense weights in f32, widened once at
   load instead of in every dot (model/layers/compute.py): where the f32 copy takes at most half
   the memory available, since it doubles the weights' bytes.
@@ -46,10 +49,20 @@ class Bf16Choice:
     reason: str
 
 
-def choose(flags: frozenset[str], native_kernels: bool = False) -> Bf16Choice:
+def choose(flags: frozenset[str], native_kernels: bool | None = False) -> Bf16Choice:
     """How a bfloat16 model runs on a CPU with these /proc/cpuinfo flags; `native_kernels`:
-    whether the C++ attention and cache-write kernels built here (ragged_paged_attention/native.py)."""
+    whether the C++ attention and cache-write kernels built here (ragged_paged_attention/native.py),
+    None for a model they never serve (it keeps no attention K/V pool: MLA latents, encoders)."""
     flag = next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+    if flag is not None and native_kernels is None:
+        return Bf16Choice(
+            flag,
+            "bfloat16",
+            "float32",
+            f"{flag}: bf16 dots are native, so operands stay bf16; the model keeps no attention "
+            "K/V pool (an MLA latent is read through XLA's gathers, which move bf16 slowly: a "
+            "DeepSeek-V3 bf16 run 1.44x slower with bf16 caches), and bf16 values are exact in f32",
+        )
     if flag is not None and native_kernels:
         return Bf16Choice(
             flag,
@@ -115,10 +128,11 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 @cache
-def host_choice(head_dim: int) -> Bf16Choice:
-    """This host's choice for a model of attention head dim `head_dim` (the C++ kernels are
-    built per head dim), logged once."""
-    choice = choose(host_cpu_flags(), native.available(head_dim))
+def host_choice(head_dim: int | None) -> Bf16Choice:
+    """This host's choice for a model whose attention K/V pools have head dim `head_dim` (the C++
+    kernels are built per head dim; None: it keeps no such pool), logged once."""
+    kernels = None if head_dim is None else native.available(head_dim)
+    choice = choose(host_cpu_flags(), kernels)
     log.info(
         "bfloat16 on this CPU (%s): operands in %s, caches in %s, because %s",
         choice.host,

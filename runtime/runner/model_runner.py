@@ -92,7 +92,7 @@ def _decode_chunk_blocks(backends: dict, block_size: int) -> int:
     return rpa_decode.chunk_blocks(block_size) if choice and choice.impl == "reference" else 0
 
 
-def cache_dtype(model_dtype: str, attention_backend: str, head_dim: int) -> str:
+def cache_dtype(model_dtype: str, attention_backend: str, head_dim: int | None) -> str:
     """The dtype the runner asks a family to keep its caches in.
 
     On the CPU a bf16 model's cache dtype is chosen per host, from the CPU's bf16 support and
@@ -101,7 +101,8 @@ def cache_dtype(model_dtype: str, attention_backend: str, head_dim: int) -> str:
     (XLA:CPU moves bf16 through gathers and scatters slowly, and bf16 keys and values are exact in
     f32, so the numbers are the same at twice the memory). A forced kernel keeps the model's
     dtype. "auto" never picks an interpret-mode kernel, so on the CPU it means the jnp path.
-    `head_dim`: the model's attention head dim, which the kernels are built for.
+    `head_dim`: the head dim of the model's attention K/V pools, which the kernels are built for
+    (`attention_head_dim`; None where it keeps none).
     """
     if (
         model_dtype == "bfloat16"
@@ -119,8 +120,9 @@ def model_options(
     it also sets what this process computes bf16 operands and keeps dense weights in, before the
     model is built and traced (per host, runner/cpu_bf16.py; the layers read it:
     model/layers/compute.py)."""
+    head_dim = attention_head_dim(model_config, block_size)
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
-        widen = cpu_bf16.host_choice(model_config.head_dim).compute_dtype == "float32"
+        widen = cpu_bf16.host_choice(head_dim).compute_dtype == "float32"
         wide = False
         if widen:
             wide, why = cpu_bf16.keep_weights_wide(
@@ -130,9 +132,19 @@ def model_options(
         compute.widen_bf16(widen, weights=wide)
     return ModelOptions(
         block_size=block_size,
-        cache_dtype=cache_dtype(model_config.dtype, attention_backend, model_config.head_dim),
+        cache_dtype=cache_dtype(model_config.dtype, attention_backend, head_dim),
         attention_backend=attention_backend,
     )
+
+
+def attention_head_dim(model_config: ModelConfig, block_size: int) -> int | None:
+    """The head dim of the model's paged attention K/V pools (parts k and v), the one the C++
+    attention kernels would be built for; None where it keeps no such pool (MLA latents, DSA
+    keys, encoders) or pools of several head dims. Read from the family's cache specs, which own
+    what a model caches: its config's head_dim is no guide (DeepSeek's is the rope part)."""
+    specs = model_cache_specs(model_config, ModelOptions(block_size=block_size))
+    dims = {s.page_shape[-1] for s in base.paged_specs(specs) if s.parts == ("k", "v")}
+    return dims.pop() if len(dims) == 1 else None
 
 
 def _num_weights(path: str) -> int | None:

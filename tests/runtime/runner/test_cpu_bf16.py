@@ -10,11 +10,12 @@ from model.base import ModelOptions
 from model.config import ModelConfig, from_hf_dict
 from model.layers import compute
 from model.loader import load_model
-from model.testing import TINY_COMMON, write_tiny_checkpoint
+from model.testing import DEEPSEEK_TINY, KIMI_TINY, TINY_COMMON, write_tiny_checkpoint
 from pallas_kernels.platform import cpu_flags
+from pallas_kernels.ragged_paged_attention import native
 from runtime.runner import cpu_bf16
 from runtime.runner.cpu_bf16 import available_memory, choose, keep_weights_wide
-from runtime.runner.model_runner import cache_dtype, model_options
+from runtime.runner.model_runner import attention_head_dim, cache_dtype, model_options
 
 _BASE = {"fpu", "sse2", "avx", "fma"}
 
@@ -29,12 +30,12 @@ def test_each_host_kind_gets_its_choice_and_reason():
         ({"neon", "asimd"}, "other", "float32"),
     ]
     for extra, host, compute_dtype in cases:
-        for kernels in (False, True):
+        for kernels in (False, True, None):  # None: a model without attention K/V pools
             choice = choose(frozenset(_BASE | extra), native_kernels=kernels)
             assert choice.host == host, (extra, choice)
             assert choice.compute_dtype == compute_dtype, (extra, choice)
             # bf16 caches only where bf16 is native and the C++ kernels serve them
-            bf16_cache = kernels and compute_dtype == "bfloat16"
+            bf16_cache = kernels is True and compute_dtype == "bfloat16"
             assert choice.cache_dtype == ("bfloat16" if bf16_cache else "float32"), choice
             assert choice.reason.startswith(host if host != "other" else "no avx2"), choice
 
@@ -130,3 +131,42 @@ def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, mo
         assert not compute.widening() and not compute.wide_weights()
     finally:
         compute.widen_bf16(before[0], weights=before[1])
+
+
+def test_cache_dtype_follows_the_attention_pools_the_kernels_would_serve(monkeypatch):
+    """The head dim the C++ kernels are asked for is the model's attention K/V pools' (from its
+    cache specs), not its config's head_dim: an MLA model keeps a latent no kernel serves, so a
+    bf16 one gets f32 caches even where bf16 caches would be served (it ran 1.44x slower on
+    bf16 caches, read through XLA's gathers). Used to break: DeepSeek's config head_dim was
+    passed, and a native-bf16 host gave its latent bf16 caches."""
+
+    def config(model_type, architecture, **extra):
+        hf = {**TINY_COMMON, **extra, "model_type": model_type, "architectures": [architecture]}
+        return from_hf_dict(hf, dtype="bfloat16")
+
+    llama = config("llama", "LlamaForCausalLM", head_dim=48)
+    deepseek = config("deepseek_v3", "DeepseekV3ForCausalLM", **DEEPSEEK_TINY)
+    kimi = config("kimi_linear", "KimiLinearForCausalLM", **KIMI_TINY)
+    assert attention_head_dim(llama, 16) == 48
+    # its config's head_dim is one the kernels serve: keyed by it, the latent got bf16 caches
+    assert attention_head_dim(deepseek, 16) is None and deepseek.head_dim in native.HEAD_DIMS
+    assert attention_head_dim(kimi, 16) is None
+
+    amx = frozenset(_BASE | {"avx2", "avx512_bf16", "amx_bf16"})
+    asked = []
+
+    def host(head_dim):
+        asked.append(head_dim)
+        return choose(amx, None if head_dim is None else True)
+
+    monkeypatch.setattr(cpu_bf16, "host_choice", host)
+    before = compute.widening(), compute.wide_weights()
+    try:
+        assert model_options(llama, 16, "auto").cache_dtype == "bfloat16"
+        assert model_options(deepseek, 16, "auto").cache_dtype == "float32"
+        assert model_options(kimi, 16, "auto").cache_dtype == "float32"
+        assert set(asked) == {48, None}, asked
+        assert model_options(deepseek, 16, "pallas").cache_dtype == "bfloat16"  # forced kernel
+    finally:
+        compute.widen_bf16(before[0], weights=before[1])
+    assert "no attention K/V pool" in choose(amx, None).reason
