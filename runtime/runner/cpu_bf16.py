@@ -21,7 +21,8 @@ kind of host whatever machine runs the tests:
   bf16 caches, 2.57 s with f32, the same tokens).
 - whether a model whose operands are widened also keeps its dense weights in f32, widened once at
   load instead of in every dot (model/layers/compute.py): where the f32 copy takes at most half
-  the memory available, since it doubles the weights' bytes.
+  the memory available beside the caches the runner has planned, since it doubles the weights'
+  bytes.
 No XLA:CPU option is changed: --xla_cpu_use_onednn and --xla_cpu_use_xnnpack were measured on the
 AVX2 host and neither made the bf16 dots reach the widened ones; fast math would change values.
 """
@@ -101,22 +102,22 @@ def choose(flags: frozenset[str], native_kernels: bool | None = False) -> Bf16Ch
 _STAY_BF16 = "so they stay bf16 and each large dot widens them"
 
 
-def keep_weights_wide(num_weights: int | None, available_bytes: int | None) -> tuple[bool, str]:
+def keep_weights_wide(
+    num_weights: int | None, available_bytes: int | None, cache_bytes: int = 0
+) -> tuple[bool, str]:
     """Whether a bf16 model of `num_weights` parameters, on a host that widens its operands, keeps
-    its dense weights in f32, and why."""
+    its dense weights in f32, and why: where their f32 copy takes at most half of the memory
+    available beside the `cache_bytes` its caches will take."""
     if num_weights is None or available_bytes is None:
         unknown = "the checkpoint's size" if num_weights is None else "the memory available"
         return False, f"{unknown} is unknown, {_STAY_BF16}"
-    need, room = 4 * num_weights / 2**30, available_bytes / 2**30
-    if 4 * num_weights > available_bytes // 2:
-        return False, (
-            f"their f32 copy ({need:.2f} GiB) would take more than half of the {room:.1f} GiB "
-            f"available, {_STAY_BF16}"
-        )
-    return True, (
-        f"their f32 copy ({need:.2f} GiB) takes at most half of the {room:.1f} GiB available, "
-        "and no dot then widens them"
-    )
+    room = available_bytes - cache_bytes
+    beside = f" beside the caches' {cache_bytes / 2**30:.2f} GiB" if cache_bytes else ""
+    need = f"their f32 copy ({4 * num_weights / 2**30:.2f} GiB)"
+    of_room = f"the {max(room, 0) / 2**30:.1f} GiB available{beside}"
+    if 4 * num_weights > room // 2:
+        return False, f"{need} would take more than half of {of_room}, {_STAY_BF16}"
+    return True, f"{need} takes at most half of {of_room}, and no dot then widens them"
 
 
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -117,24 +117,31 @@ def model_options(
     model_config: ModelConfig, block_size: int, attention_backend: str
 ) -> ModelOptions:
     """What the runner tells a family beside its checkpoint's config. For a bf16 model on the CPU
-    it also sets what this process computes bf16 operands and keeps dense weights in, before the
-    model is built and traced (per host, runner/cpu_bf16.py; the layers read it:
-    model/layers/compute.py)."""
+    it also sets what this process computes bf16 operands in, before the model is built and
+    traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py), with the
+    dense weights kept bf16 until `choose_weight_dtype` says otherwise."""
     head_dim = attention_head_dim(model_config, block_size)
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
-        widen = cpu_bf16.host_choice(head_dim).compute_dtype == "float32"
-        wide = False
-        if widen:
-            wide, why = cpu_bf16.keep_weights_wide(
-                _num_weights(model_config.path), cpu_bf16.available_memory()
-            )
-            log.info("bfloat16 weights kept in %s: %s", "float32" if wide else "bfloat16", why)
-        compute.widen_bf16(widen, weights=wide)
+        compute.widen_bf16(cpu_bf16.host_choice(head_dim).compute_dtype == "float32")
     return ModelOptions(
         block_size=block_size,
         cache_dtype=cache_dtype(model_config.dtype, attention_backend, head_dim),
         attention_backend=attention_backend,
     )
+
+
+def choose_weight_dtype(model_config: ModelConfig, cache_bytes: int) -> None:
+    """Where this process widens a bf16 model's operands (`model_options`), whether its dense
+    weights are kept in f32, once the caches' bytes (`cache_bytes`, the runner's plan) are known:
+    the f32 copy must fit beside them (cpu_bf16.keep_weights_wide). Logged; read by the modules
+    when they are built."""
+    if model_config.dtype != "bfloat16" or current_platform() != "cpu" or not compute.widening():
+        return
+    wide, why = cpu_bf16.keep_weights_wide(
+        _num_weights(model_config.path), cpu_bf16.available_memory(), cache_bytes
+    )
+    log.info("bfloat16 weights kept in %s: %s", "float32" if wide else "bfloat16", why)
+    compute.widen_bf16(True, weights=wide)
 
 
 def attention_head_dim(model_config: ModelConfig, block_size: int) -> int | None:
@@ -211,6 +218,7 @@ class ModelRunner:
         self.num_state_slots = size.num_state_slots
         self.kv_cache_bytes = size.kv_bytes
         self.state_cache_bytes = size.state_bytes
+        choose_weight_dtype(model_config, size.kv_bytes + size.state_bytes)
         try:
             self.graphdef, self.params = load_model(
                 model_config.path,

@@ -15,7 +15,12 @@ from pallas_kernels.platform import cpu_flags
 from pallas_kernels.ragged_paged_attention import native
 from runtime.runner import cpu_bf16
 from runtime.runner.cpu_bf16 import available_memory, choose, keep_weights_wide
-from runtime.runner.model_runner import attention_head_dim, cache_dtype, model_options
+from runtime.runner.model_runner import (
+    attention_head_dim,
+    cache_dtype,
+    choose_weight_dtype,
+    model_options,
+)
 
 _BASE = {"fpu", "sse2", "avx", "fma"}
 
@@ -91,6 +96,13 @@ def test_dense_weights_are_kept_in_f32_only_where_their_copy_fits():
     for unknown in ((None, gib), (1000, None)):
         wide, why = keep_weights_wide(*unknown)
         assert not wide and "unknown" in why, why
+    # Beside the caches: 0.2 GiB in f32 fits half of 1 GiB, not half of the 0.3 GiB the planned
+    # 0.7 GiB of caches leave (used to break: the caches were not counted).
+    assert keep_weights_wide(55_000_000, gib)[0]
+    wide, why = keep_weights_wide(55_000_000, gib, cache_bytes=gib * 7 // 10)
+    assert not wide and "0.3 GiB available beside the caches' 0.70 GiB" in why, why
+    assert keep_weights_wide(gib // 16, gib, cache_bytes=gib // 2)[0]  # exactly half of the rest
+    assert not keep_weights_wide(1, gib, cache_bytes=2 * gib)[0]  # caches beyond the memory
 
 
 def test_available_memory_reads_memavailable(tmp_path):
@@ -110,11 +122,14 @@ def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, mo
     )
     before = compute.widening(), compute.wide_weights()
     try:
-        for available, wide in ((2**34, True), (2**10, False), (None, False)):
+        cases = ((2**34, 0, True), (2**10, 0, False), (None, 0, False), (2**34, 2**34, False))
+        for available, caches, wide in cases:
             monkeypatch.setattr(cpu_bf16, "available_memory", lambda available=available: available)
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="runtime.runner.model_runner"):
                 model_options(config, 16, "auto")
+                assert not compute.wide_weights()  # until the caches' bytes are known
+                choose_weight_dtype(config, caches)
             assert compute.widening() and compute.wide_weights() is wide, available
             lines = [r.getMessage() for r in caplog.records if "weights kept in" in r.getMessage()]
             assert len(lines) == 1, lines
@@ -128,6 +143,7 @@ def test_the_runner_keeps_a_checkpoints_weights_wide_where_they_fit(tmp_path, mo
             cpu_bf16, "host_choice", lambda head_dim: choose(frozenset(_BASE | {"avx512_bf16"}))
         )
         model_options(config, 16, "auto")  # native bf16 dots: nothing widened
+        choose_weight_dtype(config, 0)
         assert not compute.widening() and not compute.wide_weights()
     finally:
         compute.widen_bf16(before[0], weights=before[1])
@@ -170,3 +186,38 @@ def test_cache_dtype_follows_the_attention_pools_the_kernels_would_serve(monkeyp
     finally:
         compute.widen_bf16(before[0], weights=before[1])
     assert "no attention K/V pool" in choose(amx, None).reason
+
+
+def test_the_runner_counts_its_planned_caches_before_widening_weights(tmp_path, monkeypatch):
+    """The runner's own cache plan decides: the same checkpoint and memory keep f32 weights
+    beside a small cache and bf16 ones beside a cache that leaves too little room."""
+    from runtime.runner.model_runner import ModelRunner
+
+    path = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=2, dtype="bfloat16")
+    config = ModelConfig.from_pretrained(path)
+    f32_bytes = 4 * sum(
+        np.prod(a.shape)
+        for a in jax.tree.leaves(load_model(path, config, ModelOptions(block_size=16))[1])
+    )
+    monkeypatch.setattr(
+        cpu_bf16, "host_choice", lambda head_dim: choose(frozenset(_BASE | {"avx2"}))
+    )
+    available = 8 * f32_bytes
+    monkeypatch.setattr(cpu_bf16, "available_memory", lambda: available)
+    before = compute.widening(), compute.wide_weights()
+    try:
+        for cache_bytes, wide in ((f32_bytes // 4, True), (7 * f32_bytes, False)):
+            runner = ModelRunner(
+                config,
+                block_size=16,
+                max_model_len=64,
+                max_num_seqs=2,
+                max_num_batched_tokens=64,
+                kv_cache_bytes=cache_bytes,
+            )
+            planned = runner.kv_cache_bytes + runner.state_cache_bytes
+            assert 0 < planned <= cache_bytes, (planned, cache_bytes)
+            dense = {a.dtype for a in jax.tree.leaves(runner.params) if a.ndim == 2}
+            assert dense == {np.dtype("float32" if wide else "bfloat16")}, (cache_bytes, dense)
+    finally:
+        compute.widen_bf16(before[0], weights=before[1])
