@@ -59,6 +59,25 @@ inline bool all_finite(vf x) {
   return true;
 }
 
+// masked_values.py's rule for one head's output `o` ([C] vectors), summed over the value rows
+// row(l) for l in [lo, hi]: where the sum is not finite and one of those rows holds a non-finite
+// value, the head is NaN; otherwise the plain sum stands (an overflow stays inf, as in the
+// reference). The rows are searched only when the sum says one may be bad.
+template <int C, typename Row>
+inline void mask_non_finite(vf* o, int64_t lo, int64_t hi, const Row& row) {
+  bool finite = true;
+  for (int c = 0; c < C; ++c) finite = finite && all_finite(o[c]);
+  if (finite) return;
+  for (int64_t l = lo; l <= hi; ++l) {
+    bool bad = false;
+    for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(row(l) + 16 * c));
+    if (bad) {
+      for (int c = 0; c < C; ++c) o[c] = vf{} + kNaN;
+      return;
+    }
+  }
+}
+
 typedef int32_t vi __attribute__((vector_size(64)));
 
 // e^x for x <= 0 on 16 lanes as 2^n e^r, r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split,

@@ -82,21 +82,7 @@ void sum_values(const Step& st, const At& at, int64_t first, int64_t n, int64_t 
     }
   }
   for (int j = 0; j < NT; ++j) {
-    bool finite = true;
-    for (int c = 0; c < C; ++c) finite = finite && all_finite(o[j][c]);
-    if (!finite) {
-      // masked_values.py's rule: a head that attends a non-finite value row is NaN; otherwise
-      // the plain sum stands (an overflow stays inf, as in the reference).
-      for (int64_t l = 0; l < n; ++l) {
-        const T* value = at(st.v, first + l) + h * D;
-        bool bad = false;
-        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(value + 16 * c));
-        if (bad) {
-          for (int c = 0; c < C; ++c) o[j][c] = vf{} + kNaN;
-          break;
-        }
-      }
-    }
+    mask_non_finite<C>(o[j], 0, n - 1, [&](int64_t l) { return at(st.v, first + l) + h * D; });
     const float inv = 1.0f / totals[a0 + j];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) store(out + (a0 + j) * D + 16 * c, o[j][c] * inv);

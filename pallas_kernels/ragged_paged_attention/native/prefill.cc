@@ -192,18 +192,7 @@ void attend(const Step& st, const Item& it, Scratch& sc) {
   }
   const float* const* vrows = sc.value_rows.data();
   auto finish = [&](int64_t r, vf* o) {
-    bool finite = true;
-    for (int c = 0; c < C; ++c) finite = finite && all_finite(o[c]);
-    if (!finite) {  // masked_values.py: an attended non-finite value row makes the row NaN
-      for (int64_t l = sc.lo[r]; l <= sc.hi[r]; ++l) {
-        bool bad = false;
-        for (int c = 0; c < C; ++c) bad = bad || !all_finite(load(vrows[l] + 16 * c));
-        if (bad) {
-          for (int c = 0; c < C; ++c) o[c] = vf{} + kNaN;
-          break;
-        }
-      }
-    }
+    mask_non_finite<C>(o, sc.lo[r], sc.hi[r], [&](int64_t l) { return vrows[l]; });
     const float inv = 1.0f / sc.total[r];
     for (int c = 0; c < C; ++c) store(out_row(r) + 16 * c, o[c] * inv);
   };
