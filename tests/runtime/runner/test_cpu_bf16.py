@@ -16,6 +16,7 @@ from pallas_kernels.ragged_paged_attention import native
 from runtime.runner import cpu_bf16
 from runtime.runner.cpu_bf16 import available_memory, choose, keep_weights_wide
 from runtime.runner.model_runner import (
+    ModelRunner,
     attention_head_dim,
     cache_dtype,
     choose_weight_dtype,
@@ -191,8 +192,6 @@ def test_cache_dtype_follows_the_attention_pools_the_kernels_would_serve(monkeyp
 def test_the_runner_counts_its_planned_caches_before_widening_weights(tmp_path, monkeypatch):
     """The runner's own cache plan decides: the same checkpoint and memory keep f32 weights
     beside a small cache and bf16 ones beside a cache that leaves too little room."""
-    from runtime.runner.model_runner import ModelRunner
-
     path = write_tiny_checkpoint(tmp_path / "llama", "llama", seed=2, dtype="bfloat16")
     config = ModelConfig.from_pretrained(path)
     f32_bytes = 4 * sum(
