@@ -2,10 +2,12 @@
 
 `ragged_paged_attention` dispatches through `pallas_kernels.backends`: the jnp reference on CPU, the
 Pallas (Triton) kernel on GPUs where it serves the call, and the reference there otherwise, with the
-reason logged. On the jnp path, a decode step whose caller counted its live chunks (`decode_chunks`)
-attends only its live context, and so does another causal step whose caller counted its live
-(query tile, KV chunk) pairs (`tile_chunks`): read in place by the C++ kernels where they serve
-(native.py), else decode.py gathers those chunks and tiles.py those pairs. A model decides once,
+reason logged. On the jnp path, where the C++ kernels serve (native.py) they read every step in
+place: a decode step whose caller counted its live chunks (`decode_chunks`) through the decode
+kernel, any other step (causal or a prefix LM's) through the prefill kernel. Elsewhere a decode
+step attends only its live context (decode.py gathers those chunks), and so does another causal
+step whose caller counted its live (query tile, KV chunk) pairs (`tile_chunks`: tiles.py); the
+rest take the reference. A model decides once,
 with `select` on its layers' shapes when it is built, and passes that `Choice` as `impl`; the
 dispatcher then only confirms it serves the call.
 """
@@ -169,11 +171,12 @@ def ragged_paged_attention(
         if native.serves("decode", q, k_cache):
             return native.decode(*args, **kwargs)
         return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
-    if choice.impl == "reference" and tile_chunks:
-        if native.serves("prefill", q, k_cache):  # causal or a prefix LM's
-            return native.prefill(*args, **kwargs)
-        if prefix_lens is None:
-            return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
+    # Every other step, causal or a prefix LM's, tiled or not (an image model's steps keep
+    # table-width buckets and no pair count): the native kernel serves any rows.
+    if choice.impl == "reference" and not decode_chunks and native.serves("prefill", q, k_cache):
+        return native.prefill(*args, **kwargs)
+    if choice.impl == "reference" and tile_chunks and prefix_lens is None:
+        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
     return choice.fn(*args, **kwargs)
 
 

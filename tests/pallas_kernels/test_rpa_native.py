@@ -115,7 +115,8 @@ def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_toas_jnp()
         return f.lower(b).as_text()
 
     assert TARGET in hlo(b, decode_chunks=chunks)
-    assert TARGET not in hlo(b)  # not a counted decode step: the reference
+    # not a counted decode step: the prefill kernel, which serves any step
+    assert TARGET not in hlo(b) and native.KERNELS["prefill"][2] in hlo(b)
     for dtype, served in ((jnp.bfloat16, True), (jnp.float16, False)):  # f16: decode.py
         narrow = {
             k: x.astype(dtype) if k in ("q", "k_cache", "v_cache") else x for k, x in b.items()
@@ -123,7 +124,7 @@ def test_dispatcher_sends_f32_and_bf16_decode_steps_here_and_the_rest_toas_jnp()
         assert (TARGET in hlo(narrow, decode_chunks=chunks)) is served, dtype
     odd = dict(b, q=b["q"][..., :8], k_cache=b["k_cache"][..., :8], v_cache=b["v_cache"][..., :8])
     assert TARGET not in hlo(odd, decode_chunks=chunks)  # head dim 8
-    plain = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25))(b)
+    plain = jax.jit(lambda b: reference.ragged_paged_attention(**b, sm_scale=0.25))(b)
     fast = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, decode_chunks=chunks))(b)
     np.testing.assert_allclose(fast, plain, atol=2e-6, rtol=2e-5)
 
@@ -231,14 +232,19 @@ def test_prefill_serves_a_prefix_lm_as_the_reference():
                 dict(atol=2e-6, rtol=2e-5) if dtype == jnp.float32 else dict(rtol=2**-7, atol=2**-9)
             )
             np.testing.assert_allclose(got, want, err_msg=where, **tol)
-    hlo = (
-        jax.jit(
-            lambda b, p: ragged_paged_attention(**b, prefix_lens=p, sm_scale=0.125, tile_chunks=8)
+    # The dispatcher sends such a step here with or without a pair count: an image model's steps
+    # (PaliGemma, ColPali) carry none. Used to break: without one they took the reference.
+    for count in (8, 0):
+        step = jax.jit(
+            lambda b, p, c=count: ragged_paged_attention(
+                **b, prefix_lens=p, sm_scale=0.125, tile_chunks=c
+            )
         )
-        .lower(b, lens)
-        .as_text()
-    )
-    assert native.KERNELS["prefill"][2] in hlo
+        assert native.KERNELS["prefill"][2] in step.lower(b, lens).as_text(), count
+        want = jax.jit(
+            lambda b, p: reference.ragged_paged_attention(**b, prefix_lens=p, sm_scale=0.125)
+        )(b, lens)
+        np.testing.assert_allclose(step(b, lens), want, atol=2e-6, rtol=2e-5, err_msg=str(count))
 
 
 def test_prefill_nan_in_an_attended_value_reaches_only_the_rows_that_attend_it():
@@ -278,7 +284,7 @@ def test_dispatcher_sends_f32_tiled_steps_to_the_prefill_kernel():
     pairs = 2 * tiles_count(ql, kl)
     f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25, tile_chunks=pairs))
     assert native.KERNELS["prefill"][2] in f.lower(b).as_text()
-    plain = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.25))(b)
+    plain = jax.jit(lambda b: reference.ragged_paged_attention(**b, sm_scale=0.25))(b)
     np.testing.assert_allclose(f(b), plain, atol=2e-6, rtol=2e-5)
 
 
