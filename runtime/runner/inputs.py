@@ -128,12 +128,23 @@ class BatchBuilder:
         self.num_state_slots = num_state_slots
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Every distinct shape is one more compilation of the whole step, but a decode step's
-        # weight matmuls and LM head cost what its padded rows do, so tokens and sequences are
+        # weight matmuls and LM head cost what its padded rows do, so its tokens and sequences are
         # bucketed in 1.5x steps (16, 24, 32, 48, 64, ...), not powers of two. Measured on the
         # offline benchmark's Llama, f32, one process alternating the two: a decode step of 40
         # rows 94.4 ms padded to 48 against 103.0 ms padded to 64; of 20 rows 64.3 against 71.0.
-        self.token_buckets = half_step_buckets(16, max_num_batched_tokens)
         self.seq_buckets = half_step_buckets(min(8, max_num_seqs), max_num_seqs)
+        # Past max_num_seqs tokens a step holds a prompt or chunk: quarter steps there (padding at
+        # most a fifth, for a few more prefill shapes), as its padded rows cost what its dots and
+        # MLP cost. Measured on the multimodal benchmark (f32, 200 requests in rounds of 64): the
+        # third step of each round, 1042 tokens, ran padded to 1536; at 1280 the whole run took
+        # 7.88-8.31 s against 8.49-8.65 (three runs each). Decode shapes are unchanged.
+        half = half_step_buckets(16, max_num_batched_tokens)
+        quarter = quarter_step_buckets(16, max_num_batched_tokens)
+        self.token_buckets = tuple(
+            sorted(
+                {b for b in half if b <= max_num_seqs} | {b for b in quarter if b > max_num_seqs}
+            )
+        )
         # The table width bounds the context every sequence gathers; bucketing it to the batch's
         # longest context (at least MIN_CONTEXT_BUCKET tokens) keeps short-context steps from
         # paying for max_model_len. Half steps here: the paged-attention gather of every sequence's

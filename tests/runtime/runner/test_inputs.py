@@ -60,6 +60,27 @@ def test_decode_rows_pad_to_half_steps_not_powers_of_two():
         assert bb.shape([1] * rows, [100] * rows)[:2] == (tokens, seqs), rows
 
 
+def test_prompt_steps_pad_to_quarter_steps_past_max_num_seqs():
+    """Past max_num_seqs tokens a step holds prompts: padded to at most a fifth more (1042 tokens
+    ran as 1536 before, now 1280), while decode-sized steps keep the half steps above."""
+    bb = BatchBuilder(
+        block_size=16, max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=2048
+    )
+    for tokens, padded in (
+        (1042, 1280),
+        (1300, 1536),
+        (2039, 2048),
+        (640, 640),
+        (65, 80),
+        (600, 640),
+    ):
+        rows = -(-tokens // 100)
+        q_lens = [100] * (rows - 1) + [tokens - 100 * (rows - 1)]
+        assert bb.shape(q_lens, q_lens)[0] == padded, tokens
+    assert all(b <= 64 or b in bb.token_buckets for b in (80, 96, 112, 1280, 1792))
+    assert {40, 56} & set(bb.token_buckets) == set()  # below max_num_seqs: half steps only
+
+
 def test_mixed_prefill_chunk_and_decode_layout():
     bb = BatchBuilder(block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
     rows = {
