@@ -138,12 +138,11 @@ class BatchBuilder:
         # MLP cost. Measured on the multimodal benchmark (f32, 200 requests in rounds of 64): the
         # third step of each round, 1042 tokens, ran padded to 1536; at 1280 the whole run took
         # 7.88-8.31 s against 8.49-8.65 (three runs each). Decode shapes are unchanged.
-        half = half_step_buckets(16, max_num_batched_tokens)
-        quarter = quarter_step_buckets(16, max_num_batched_tokens)
+        half = set(half_step_buckets(16, max_num_batched_tokens))  # a subset of the quarter steps
         self.token_buckets = tuple(
-            sorted(
-                {b for b in half if b <= max_num_seqs} | {b for b in quarter if b > max_num_seqs}
-            )
+            b
+            for b in quarter_step_buckets(16, max_num_batched_tokens)
+            if b > max_num_seqs or b in half
         )
         # The table width bounds the context every sequence gathers; bucketing it to the batch's
         # longest context (at least MIN_CONTEXT_BUCKET tokens) keeps short-context steps from
