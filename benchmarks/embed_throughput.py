@@ -12,7 +12,11 @@ timed, vlax embeds the whole workload once (it compiles every batch shape the ti
 then) and sentence-transformers its first 64 sentences (torch compiles nothing; its threads and
 allocator warm up).
 The JSON gives sentences/s and tokens/s of each side, the ratio vlax / sentence-transformers,
-and the lowest cosine between the two sides' embeddings of a sentence (they must agree).
+and the lowest cosine between the two sides' embeddings of a sentence (they must agree). It also
+gives the workload's model FLOPs (`model_flops`: every sentence's projections and attention,
+no padding), the host's f32 matmul peak (benchmarks/matmul_peak.py), each side's MFU, and
+`ratio_at_peak`: the ratio vlax would reach running every model FLOP at that peak, the most
+this host allows in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import sys
 import time
 
 import numpy as np
+
+from benchmarks.matmul_peak import peak_flops
 
 
 def minilm_path() -> str:
@@ -52,6 +58,17 @@ def sentences(path: str, count: int, seed: int) -> tuple[list[str], list[int]]:
         texts.append(text)
         lengths.append(int(target))
     return texts, lengths
+
+
+def model_flops(path: str, lengths: list[int]) -> float:
+    """Each sentence's dense projections (2 * parameters per token) and attention (QK and PV:
+    4 * hidden * its length per token and layer), from the checkpoint's config.json."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    per_token = 2 * layers * (4 * h * h + 2 * h * inter)
+    return float(sum(n * per_token + layers * 4 * h * n * n for n in lengths))
 
 
 def run_vlax(path: str, texts: list[str]) -> tuple[float, np.ndarray]:
@@ -108,6 +125,12 @@ def main() -> None:
         "batch_size": 32,
     }
     result["ratio"] = st_s / vlax_s
+    flops, peak = model_flops(path, lengths), peak_flops("float32")
+    result["model_flops"] = flops
+    result["peak_matmul_gflop_s"] = peak / 1e9
+    result["vlax"]["mfu"] = flops / vlax_s / peak
+    result["sentence_transformers"]["mfu"] = flops / st_s / peak
+    result["ratio_at_peak"] = st_s / (flops / peak)
     result["min_cosine"] = float(np.min(np.sum(ours * theirs, axis=1)))
     print(json.dumps(result))
 

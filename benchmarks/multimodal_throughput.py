@@ -21,6 +21,12 @@ batch. The JSON gives requests/s of each side, the ratio vlax / HF, vlax's encod
 its vision tower encoded in the timed run; HF encodes every request's image), and how many
 requests' tokens agree between the two sides.
 
+The JSON also gives each side's model FLOPs (`model_flops`: the vision tower for each image that
+side encoded, the projector, the text layers over every prompt and generated token with their
+attention, the LM head once per generated token), the host's f32 matmul peak
+(benchmarks/matmul_peak.py), each side's MFU, and `ratio_at_peak`: the ratio vlax would reach
+running its model FLOPs at that peak, the most this host allows in float32.
+
 Each side also gives the CPU seconds of its timed region (process time, all threads) and the JSON
 their ratio (cpu_ratio): on a machine other processes load, wall time follows their load as much
 as ours, while CPU time counts the work each side did (plus whatever its threads spin); the ratio
@@ -36,6 +42,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from benchmarks.matmul_peak import peak_flops
 
 IMAGE_SIZE, PATCH = 128, 16
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
@@ -90,6 +98,33 @@ def write_checkpoint(directory: str, seed: int) -> int:
             p.copy_(0.05 * torch.randn(p.shape, generator=generator, dtype=torch.float32))
     model.eval().save_pretrained(directory, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
+
+
+def vision_flops() -> float:
+    """One image: patch embedding, the SigLIP layers (bidirectional over its tokens), and the
+    projector into the text's hidden size."""
+    h, inter, layers = (
+        VISION["hidden_size"],
+        VISION["intermediate_size"],
+        VISION["num_hidden_layers"],
+    )
+    n = NUM_IMAGE_TOKENS
+    patch = 2 * n * 3 * PATCH * PATCH * h
+    per_layer = 2 * n * (4 * h * h + 2 * h * inter) + 4 * h * n * n
+    return patch + layers * per_layer + 2 * n * h * TEXT["hidden_size"]
+
+
+def text_flops(prompt_len: int, new_tokens: int) -> float:
+    """One request's Gemma layers: the prompt (image and text tokens, each attending the whole
+    prompt: PaliGemma's prefix), then each generated token fed back (the last is never fed),
+    attending every position before it; the LM head once per generated token."""
+    h, inter, layers = TEXT["hidden_size"], TEXT["intermediate_size"], TEXT["num_hidden_layers"]
+    q = TEXT["num_attention_heads"] * TEXT["head_dim"]
+    kv = TEXT["num_key_value_heads"] * TEXT["head_dim"]
+    dense = 2 * (2 * h * q + 2 * h * kv + 3 * h * inter)
+    keys = prompt_len * prompt_len + sum(prompt_len + j + 1 for j in range(new_tokens - 1))
+    tokens = prompt_len + new_tokens - 1
+    return layers * (tokens * dense + 4 * q * keys) + new_tokens * 2 * h * VOCAB
 
 
 def workload(requests: int, images: int, seed: int):
@@ -205,6 +240,14 @@ def main() -> None:
         "encoder_runs": len(prompts),
     }
     result["ratio"] = hf_s / vlax_s
+    peak = peak_flops("float32")
+    text = len(prompts) * text_flops(NUM_IMAGE_TOKENS + TEXT_TOKENS, NEW_TOKENS)
+    result["peak_matmul_gflop_s"] = peak / 1e9
+    for side, seconds in (("vlax", vlax_s), ("hf", hf_s)):
+        flops = text + result[side]["encoder_runs"] * vision_flops()
+        result[side]["model_flops"] = flops
+        result[side]["mfu"] = flops / seconds / peak
+    result["ratio_at_peak"] = hf_s / (result["vlax"]["model_flops"] / peak)
     result["cpu_ratio"] = hf_cpu / vlax_cpu
     result["same_tokens"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
     print(json.dumps(result))
