@@ -19,6 +19,11 @@ intra-op threads. Measured per layer on a 2-core Xeon (AVX-512, f32, 8 query and
   against a copy of those keys transposed in registers (a scalar copy cost more than the dots),
   take a softmax whose exp and sum are one 16-lane pass (the compiler's own loops were 8 lanes
   and four passes), then sum the values four rows at a time (bf16 rows widened once per tile).
+  A row's softmax folds its lanes' maximum and sum in halves, and its exp builds 2^n as one
+  float (below e^-87 it is 0, under f32's resolution of a sum holding the maximum's 1): on
+  bidirectional rows of 12 heads of 32 (an encoder step of 15 sentences of 8..256 tokens) 5.2
+  against 5.7 ms, those prompts 4.55 against 4.8, a 2048-token chunk after 2048 cached 78.7
+  against 81.9 (three runs each, alternating).
 - the cache write (native/write.cc): each token's row copied to its slot, the cache the call's
   output aliasing its donated input. XLA:CPU scatters bf16 by rewriting the whole cache as f32
   around it (bitcast.py's uint16 view did not avoid the copies inside the step), so bf16 caches

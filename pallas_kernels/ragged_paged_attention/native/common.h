@@ -82,9 +82,13 @@ typedef int32_t vi __attribute__((vector_size(64)));
 
 // e^x for x <= 0 on 16 lanes as 2^n e^r, r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split,
 // Cephes' expf polynomial), written as vector operations: a scalar form vectorized only 8 lanes
-// wide, and not inside a loop that also sums. NaN stays NaN.
+// wide, and not inside a loop that also sums. Below kExpFloor the result is 0: e^x is then under
+// 2^-125, and every caller takes it relative to a term of 1 (the row's maximum), so what it
+// drops is below f32's resolution of that sum; above it 2^n is one normal float. NaN stays NaN.
+constexpr float kExpFloor = -87.0f;
+
 inline vf exp_nonpositive(vf x) {
-  const vf zero{}, floor = zero - 104.0f;
+  const vf zero{}, floor = zero + kExpFloor;
   const vf xc = x > floor ? (x < zero ? x : zero) : floor;
   // n = xc log2 e rounded to an integer by adding and taking away 1.5 * 2^23 (|xc log2 e| < 2^22);
   // r takes up whatever n is off by.
@@ -98,15 +102,30 @@ inline vf exp_nonpositive(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  // 2^n for n in [-150, 0] as two factors, each a normal float.
-  const vi whole = __builtin_convertvector(n, vi);
-  const vi half = whole / 2;
-  const vi bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
-  vf a, b;
-  std::memcpy(&a, &bits_a, sizeof(vf));
-  std::memcpy(&b, &bits_b, sizeof(vf));
-  const vf y = p * a * b;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n, n in [-126, 0]
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(vf));
+  const vf y = p * scale;
   return x != x ? x : (x < floor ? zero : y);
+}
+
+// The sum and the largest of x's 16 lanes, folded in halves (four vector steps, where a lane at
+// a time was fifteen dependent scalar ones).
+template <typename Op>
+inline vf fold(vf x, Op op) {
+  x = op(x, __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = op(x, __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  return op(x, __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+}
+
+inline float lane_sum(vf x) {
+  return fold(x, [](vf a, vf b) { return a + b; })[0];
+}
+
+// NaN passed over, as std::max does: a NaN lane loses to any number.
+inline float lane_max(vf x) {
+  return fold(x, [](vf a, vf b) { return a > b || b != b ? a : b; })[0];
 }
 
 // x rounded to the nearest bfloat16 (ties to even), as floats; NaN stays NaN.
@@ -187,10 +206,12 @@ inline float max_of(const float* s, int64_t from, int64_t to) {
     const vf x = load(s + l);
     m = x > m ? x : m;
   }
-  float r = kMinusInf;
-  for (int i = 0; i < kLanes; ++i) r = std::max(r, m[i]);
-  for (; l <= to; ++l) r = std::max(r, s[l]);
-  return r;
+  if (l <= to) {  // the tail as one vector, padded with -inf
+    vf x = vf{} + kMinusInf;
+    std::memcpy(&x, s + l, (to + 1 - l) * sizeof(float));
+    m = x > m ? x : m;
+  }
+  return lane_max(m);
 }
 
 // s[l] = e^(s[l] - ref) for l in [from, to], rounded to bf16 if `round`; returns the sum of
@@ -213,9 +234,7 @@ inline float exp_sum(float* s, int64_t from, int64_t to, float ref, bool round) 
     const vf kept = round ? round_bf16(e) : e;
     std::memcpy(s + l, &kept, n * sizeof(float));
   }
-  float total = 0;
-  for (int i = 0; i < kLanes; ++i) total += acc[i];
-  return total;
+  return lane_sum(acc);
 }
 
 // One row's softmax over its keys at offsets [lo, hi] of `s` (scaled scores; offset l is key
@@ -247,8 +266,9 @@ inline float softmax_row(float* s, int64_t lo, int64_t hi, int64_t pos0, int64_t
     const int64_t to = std::min(hi, block ? (first_block + b + 1) * block - pos0 - 1 : hi);
     const float ref = finite_or_zero(factor[b]);
     const float sum = block ? exp_sum(s, from, to, ref, true) : exp_sum(s, from, to, ref, false);
-    const float f = exp_nonpositive(vf{} + (ref - top))[0];
-    if (f != 1.0f)  // the block holding the maximum (and a single block) needs none
+    // The block holding the maximum (and a single block) needs no factor: e^0 is 1.
+    const float f = ref == top ? 1.0f : exp_nonpositive(vf{} + (ref - top))[0];
+    if (f != 1.0f)
       for (int64_t l = from; l <= to; ++l) s[l] *= f;
     total += f * sum;
   }
