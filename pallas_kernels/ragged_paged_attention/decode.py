@@ -164,43 +164,21 @@ def ragged_paged_decode(
     prefix_lens=None,
     slice_chunks: int | None = None,
     narrow_dots: bool = False,
+    exact: bool = True,
 ):
     """The reference's result for a step where every sequence has at most one query token and
     whose live chunks (`live_chunks`) number at most `num_chunks`. A step breaking either promise
     gets an all-NaN output rather than a silently truncated one. `prefix_lens` changes nothing
     here: a sequence's one query is its last position, which already sees its whole context.
     `slice_chunks`: chunks gathered at a time, this host's choice by default (`host_slice_chunks`);
-    any value gives the same result. `narrow_dots`: see `dot_dtypes`."""
+    any value gives the same result. `narrow_dots`: see `dot_dtypes`. `exact=False`: the fast
+    product alone, without the exact redo of a slice whose output is not all finite (the tests'
+    view of it; equal to the reference's wherever it is all finite)."""
     step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
     options = dict(
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, narrow_dots=narrow_dots
     )
-    return step.output(*_product(step, k_cache, v_cache, exact=True, **options))
-
-
-def live_chunk_attention(
-    q,
-    k_cache,
-    v_cache,
-    kv_lens,
-    block_tables,
-    cu_q_lens,
-    num_seqs,
-    *,
-    num_chunks: int,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    slice_chunks: int | None = None,
-    narrow_dots: bool = False,
-):
-    """(output, broken): the fast product alone, equal to the reference's whenever it is all
-    finite; `broken` says the step broke `ragged_paged_decode`'s promises (output all NaN)."""
-    step = _Chunks(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_chunks, slice_chunks, k_cache)
-    options = dict(
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, narrow_dots=narrow_dots
-    )
-    return step.output(*_product(step, k_cache, v_cache, exact=False, **options)), step.broken
+    return step.output(*_product(step, k_cache, v_cache, exact=exact, **options))
 
 
 def slicing(n: int, most: int) -> tuple[int, int]:

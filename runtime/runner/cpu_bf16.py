@@ -61,8 +61,9 @@ def choose(flags: frozenset[str], native_kernels: bool | None = False) -> Bf16Ch
             "bfloat16",
             "float32",
             f"{flag}: bf16 dots are native, so operands stay bf16; the model keeps no attention "
-            "K/V pool (an MLA latent is read through XLA's gathers, which move bf16 slowly: a "
-            "DeepSeek-V3 bf16 run 1.44x slower with bf16 caches), and bf16 values are exact in f32",
+            "K/V pool the C++ kernels read (an encoder caches nothing; an MLA latent is read "
+            "through XLA's gathers, which move bf16 slowly: a DeepSeek-V3 bf16 run 1.44x slower "
+            "with bf16 caches), and bf16 values are exact in f32",
         )
     if flag is not None and native_kernels:
         return Bf16Choice(
