@@ -266,13 +266,9 @@ class InputProcessor:
         return ids
 
     def _check_params(self, own: str, params: SamplingParams, prompt_len: int) -> None:
+        # max_tokens past what max_model_len leaves is not refused: as vLLM 0.33's offline path,
+        # the core ends such a request at max_model_len with finish reason "length".
         vocab = self.vocab_size
-        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"{own}: max_tokens={params.max_tokens} exceeds max_model_len="
-                f"{self.max_model_len}, the most tokens a request can hold (pass max_tokens=None "
-                "to generate until max_model_len)"
-            )
         self._check_ids(own, "stop_token_ids holds token id", params.stop_token_ids)
         self._check_ids(own, "logit_bias holds token id", [t for t, _ in params.logit_bias or ()])
         self._check_ids(own, "allowed_token_ids holds token id", params.allowed_token_ids or ())

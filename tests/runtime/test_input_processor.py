@@ -87,12 +87,6 @@ def test_n_fans_out_into_samples_with_their_own_seeds():
         ("hello", None, TypeError, "prompt_token_ids must be a list of ints"),
         (
             [5],
-            SamplingParams(max_tokens=17),
-            ValueError,
-            "max_tokens=17 exceeds max_model_len=16",
-        ),
-        (
-            [5],
             SamplingParams(stop_token_ids=[4, 99]),
             ValueError,
             r"stop_token_ids holds token id 99, outside the vocabulary \[0, 32\)",

@@ -64,11 +64,6 @@ def serves(llm):
             GOOD,
             "the prompt has 64 tokens, which leaves no room to generate within max_model_len=64",
         ),
-        (
-            "Hello",
-            SamplingParams(max_tokens=65),
-            "max_tokens=65 exceeds max_model_len=64",
-        ),
     ],
     ids=[
         "logit_bias",
@@ -79,7 +74,6 @@ def serves(llm):
         "prompt_token_ids",
         "empty_prompt",
         "prompt_length",
-        "max_tokens",
     ],
 )
 def test_a_bad_field_is_refused_by_name_and_the_llm_goes_on(llm, prompt, params, match):
@@ -113,3 +107,12 @@ def test_limits_at_the_edge_are_served(llm):
     (out,) = llm.generate([{"prompt_token_ids": [1] * 61 + [vocab - 1]}], params, use_tqdm=False)
     c = out.outputs[0]
     assert len(c.token_ids) == 2 and all(len(p) >= vocab for p in c.logprobs)
+
+
+def test_max_tokens_past_max_model_len_ends_at_max_model_len(llm):
+    """As vLLM 0.33's offline path: not refused; the request stops when prompt and output fill
+    max_model_len (64), finish reason "length"."""
+    params = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [1] * 60}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    serves(llm)
