@@ -37,6 +37,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    # vLLM's max_logprobs: the most top logprobs (sample or prompt) a request may ask for; -1:
+    # the whole vocabulary.
+    max_logprobs: int = 20
     attention_backend: str = "auto"
     # "host", "mooncake", or a store object implementing runtime/offload/store.py's KVStore.
     kv_offload: str | KVStore | None = None
@@ -71,6 +74,15 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_seqs", self.max_num_seqs)
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
+            raise ConfigError(
+                f"max_logprobs must be an int >= 0, or -1 (the whole vocabulary), "
+                f"got {self.max_logprobs!r}"
+            )
         if self.max_num_batched_tokens is not None:
             _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("block_size", self.block_size)

@@ -106,7 +106,9 @@ class Engine:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tokenizer = self._load_tokenizer(config.model)
-        self.input_processor = InputProcessor(model_config, self.tokenizer, max_model_len)
+        self.input_processor = InputProcessor(
+            model_config, self.tokenizer, max_model_len, max_logprobs=config.max_logprobs
+        )
         self.pooling_input = (
             PoolingInputProcessor(
                 model_config,

@@ -132,11 +132,18 @@ def default_sampling_params(model_config: ModelConfig) -> SamplingParams:
 
 class InputProcessor:
     def __init__(
-        self, model_config: ModelConfig, tokenizer: Tokenizer | None, max_model_len: int
+        self,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        *,
+        max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
+        # vLLM's rule: -1 allows the whole vocabulary.
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else max_logprobs
         self.eos_token_ids = resolve_eos_token_ids(model_config, tokenizer)
         self.default_params = default_sampling_params(model_config)
         self.architecture, self.path = model_config.architecture, model_config.path
@@ -147,6 +154,7 @@ class InputProcessor:
         # A batch usually shares one SamplingParams: tokenize its bad words once, and hand every
         # request the same resolved object (the runner computes per-params constants once).
         self._with_bad_words = functools.lru_cache(maxsize=256)(self._resolve_bad_words)
+        self._with_all_logprobs = functools.lru_cache(maxsize=256)(self._resolve_all_logprobs)
 
     def prompt_inputs(self, prompt: object) -> tuple[str | None, list[int]]:
         """(text, token ids) of a vLLM-style prompt: a str, or a dict with 'prompt_token_ids'
@@ -223,6 +231,8 @@ class InputProcessor:
                 params = self._with_bad_words(params)
             except ValueError as err:
                 raise ValueError(f"{own}: {err}") from None
+        if -1 in (params.logprobs, params.prompt_logprobs):
+            params = self._with_all_logprobs(params)
         children = []
         for i in range(params.n):
             child = params
@@ -274,10 +284,17 @@ class InputProcessor:
         self._check_ids(own, "allowed_token_ids holds token id", params.allowed_token_ids or ())
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > vocab:
+            count = vocab if value == -1 else value  # -1: every token, as in vLLM
+            if count is not None and count > vocab:
                 raise ValueError(
                     f"{own}: {name}={value} asks for more top tokens than the vocabulary has "
                     f"({vocab})"
+                )
+            if count is not None and count > self.max_logprobs:
+                raise ValueError(
+                    f"{own}: {name}={value} asks for {count} top logprobs, more than "
+                    f"max_logprobs={self.max_logprobs} (LLM(max_logprobs=...) raises it; -1: the "
+                    "whole vocabulary)"
                 )
         if params.stop and self.tokenizer is None:
             raise ValueError(
@@ -290,6 +307,15 @@ class InputProcessor:
                 "into token ids, and this checkpoint has none; restrict token ids with "
                 "allowed_token_ids or lower them with logit_bias"
             )
+
+    def _resolve_all_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """`params` with a logprobs count of -1 (every token) as the vocabulary's size."""
+        vocab = self.vocab_size
+        return replace(
+            params,
+            logprobs=vocab if params.logprobs == -1 else params.logprobs,
+            prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs,
+        )
 
     def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """`params` with the token sequences of its bad words, each id checked."""

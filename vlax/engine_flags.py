@@ -80,6 +80,12 @@ def add_engine_flags(p: argparse.ArgumentParser, pooling: bool = False) -> None:
     )
     if not pooling:
         p.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=20,
+            help="most top logprobs a request may ask for (-1: the whole vocabulary)",
+        )
+        p.add_argument(
             "--async-scheduling",
             action=argparse.BooleanOptionalAction,
             default=None,
@@ -108,4 +114,5 @@ def engine_args(args: argparse.Namespace, pooling: bool = False) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        max_logprobs=args.max_logprobs,
     )

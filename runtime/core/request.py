@@ -124,8 +124,10 @@ class SamplingParams:
                 raise _bad(own, name, getattr(self, name), "a bool")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise _bad(own, name, value, "an int >= 0 (number of top logprobs) or None")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise _bad(
+                    own, name, value, "an int >= 0 (number of top logprobs), -1 (all) or None"
+                )
         if self.logit_bias is not None:
             set_(self, "logit_bias", _normalise_bias(self.logit_bias))
         if self.allowed_token_ids is not None:

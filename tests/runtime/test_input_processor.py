@@ -34,8 +34,8 @@ def config(gen=None, **hf):
     return from_hf_dict({**HF, **hf}, gen, path="ckpt")
 
 
-def processor(tokenizer=None, gen=None, max_model_len=16, **hf):
-    return InputProcessor(config(gen, **hf), tokenizer, max_model_len)
+def processor(tokenizer=None, gen=None, max_model_len=16, max_logprobs=-1, **hf):
+    return InputProcessor(config(gen, **hf), tokenizer, max_model_len, max_logprobs=max_logprobs)
 
 
 def test_eos_ids_come_from_config_generation_config_and_tokenizer(tok, caplog):
@@ -196,3 +196,23 @@ def test_bad_words_outside_the_model_vocabulary_are_refused_by_name(tok):
         rf"{ids[0]}, outside the vocabulary \[0, 32\)",
     ):
         processor(tok).process("r", [5], SamplingParams(bad_words=["zebra"]))
+
+
+def test_max_logprobs_caps_each_requests_logprobs_and_minus_one_asks_for_every_token():
+    """vLLM's max_logprobs (20 by default; -1: the vocabulary) bounds logprobs and
+    prompt_logprobs alike, and a count of -1 asks for the whole vocabulary (32 here)."""
+    capped = processor(max_logprobs=20)
+    assert capped.process("r", [5], SamplingParams(logprobs=20)).children[0].sampling_params
+    for name in ("logprobs", "prompt_logprobs"):
+        for value, count in ((21, 21), (-1, 32)):
+            with pytest.raises(
+                ValueError,
+                match=rf"{name}={value} asks for {count} top logprobs, "
+                r"more than max_logprobs=20",
+            ):
+                capped.process("r", [5], SamplingParams(**{name: value}))
+    for name in ("logprobs", "prompt_logprobs"):
+        (child,) = processor().process("r", [5], SamplingParams(**{name: -1})).children
+        assert getattr(child.sampling_params, name) == 32
+    with pytest.raises(ValueError, match=r"logprobs=-2: expected an int >= 0"):
+        SamplingParams(logprobs=-2)

@@ -23,7 +23,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    return LLM(str(model_path), max_model_len=64, max_num_seqs=8, block_size=16)
+    return LLM(str(model_path), max_model_len=64, max_num_seqs=8, block_size=16, max_logprobs=-1)
 
 
 def generate(llm, params, prompts=PROMPTS):
@@ -102,7 +102,7 @@ def test_bad_words_without_a_tokenizer_are_refused_and_the_llm_goes_on(model_pat
     shutil.copytree(model_path, bare)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (bare / name).unlink()
-    llm = LLM(str(bare), max_model_len=64, max_num_seqs=8, block_size=16)
+    llm = LLM(str(bare), max_model_len=64, max_num_seqs=8, block_size=16, max_logprobs=-1)
     assert llm.engine.tokenizer is None
     prompt = {"prompt_token_ids": [1, 20, 21]}
     with pytest.raises(ValueError, match=r"bad_words=\['of'\] needs a tokenizer"):

@@ -76,6 +76,7 @@ _CHECK_WITHOUT_JAX = (
         (["--prompt", "x", "--max-tokens", "0"], "max_tokens=0: expected an int >= 1"),
         (["--prompt", "x", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
         (["--prompt", "x", "--block-size", "12"], "block_size must be a power of two, got 12"),
+        (["--prompt", "x", "--max-logprobs", "-2"], "max_logprobs must be an int >= 0, or -1"),
         (["--prompt", "x", "--model", "{tmp}/absent"], "model '{tmp}/absent' does not exist"),
         (["--prompt", "x", "--output", "{tmp}/no/out.jsonl"], "folder {tmp}/no does not exist"),
         (["--prompt", "x", "--max-tokens", "many"], "invalid int value: 'many'"),

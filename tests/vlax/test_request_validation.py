@@ -16,7 +16,7 @@ GOOD = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = default_model_path(tmp_path_factory.mktemp("cache"))
-    return LLM(str(path), max_model_len=64, max_num_seqs=4, block_size=16)
+    return LLM(str(path), max_model_len=64, max_num_seqs=4, block_size=16, max_logprobs=-1)
 
 
 def serves(llm):
