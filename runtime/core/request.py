@@ -24,6 +24,10 @@ __all__ = [
 ]
 
 _GREEDY_EPS = 1e-5
+# vLLM 0.33's bounds: a temperature past 2 is refused, and one in (0, 0.01) is raised to 0.01
+# (below it the scaled logits may overflow to inf / NaN), so only 0 itself samples greedily.
+MAX_TEMPERATURE = 2.0
+MIN_SAMPLING_TEMPERATURE = 0.01
 
 
 def _is_int(value: object) -> bool:
@@ -92,8 +96,13 @@ class SamplingParams:
         set_ = object.__setattr__
         if not _is_int(self.n) or self.n < 1:
             raise _bad(own, "n", self.n, "an int >= 1")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise _bad(own, "temperature", self.temperature, "a finite float >= 0")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise _bad(own, "temperature", self.temperature, f"a float in [0, {MAX_TEMPERATURE:g}]")
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:  # only 0 itself is greedy, as in vLLM
+            set_(self, "temperature", MIN_SAMPLING_TEMPERATURE)
+        if self.n > 1 and self.temperature < _GREEDY_EPS:
+            # vLLM refuses it: greedy samples would all be the same completion.
+            raise _bad(own, "n", self.n, "1 with greedy sampling (temperature=0)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad(own, "top_p", self.top_p, "a float in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -108,6 +117,8 @@ class SamplingParams:
             raise _bad(own, "repetition_penalty", self.repetition_penalty, "a float > 0")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad(own, "seed", self.seed, "an int or None")
+        if self.seed == -1:  # vLLM's "no seed"
+            set_(self, "seed", None)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad(own, "max_tokens", self.max_tokens, "an int >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -124,6 +135,8 @@ class SamplingParams:
                 raise _bad(own, name, getattr(self, name), "a bool")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value is True:  # vLLM: the sampled (or prompt) token's own logprob and the top 1
+                set_(self, name, value := 1)
             if value is not None and (not _is_int(value) or value < -1):
                 raise _bad(
                     own, name, value, "an int >= 0 (number of top logprobs), -1 (all) or None"

@@ -89,7 +89,7 @@ def test_a_two_token_word_bans_its_second_token_exactly_after_its_first(llm):
             previous = token
     assert changed  # the ban decided some steps
     # Sampled: the second token still comes, but never right after the first.
-    sample = dict(temperature=3.0, seed=3, n=4, max_tokens=12, ignore_eos=True)
+    sample = dict(temperature=2.0, seed=3, n=16, max_tokens=16, ignore_eos=True)
     free = tokens(llm, SamplingParams(**sample, allowed_token_ids=pair))
     assert (first, second) in bigrams(free)
     banned = tokens(llm, SamplingParams(**sample, allowed_token_ids=pair, bad_words=["the"]))

@@ -72,7 +72,7 @@ _CHECK_WITHOUT_JAX = (
         (["--prompts", "{tmp}/absent.txt"], "--prompts {tmp}/absent.txt: no such file"),
         (["--prompts", "{tmp}/bad.jsonl"], "bad.jsonl:1: not valid JSON"),
         ([], "give at least one --prompt or a --prompts file"),
-        (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0: expected a finite float"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0: expected a float in [0, 2]"),
         (["--prompt", "x", "--max-tokens", "0"], "max_tokens=0: expected an int >= 1"),
         (["--prompt", "x", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
         (["--prompt", "x", "--block-size", "12"], "block_size must be a power of two, got 12"),

@@ -28,7 +28,23 @@ def test_sampling_params_defaults_match_vllm():
     assert not sp.ignore_eos and not sp.include_stop_str_in_output and sp.skip_special_tokens
     assert sp.logprobs is None and sp.prompt_logprobs is None and sp.logit_bias is None
     assert not sp.greedy and SamplingParams(temperature=0.0).greedy
-    assert SamplingParams(temperature=1e-6).greedy
+
+
+def test_sampling_params_follow_vllm_033s_temperature_seed_and_logprobs_rules():
+    """vLLM 0.33's SamplingParams.__post_init__: a temperature in (0, 0.01) is raised to 0.01
+    (only 0 itself is greedy), past 2 refused, greedy n > 1 refused; seed -1 is no seed and
+    logprobs=True one logprob."""
+    tiny = SamplingParams(temperature=1e-6)
+    assert tiny.temperature == 0.01 and not tiny.greedy
+    assert SamplingParams(temperature=2.0).temperature == 2.0
+    with pytest.raises(ValueError, match=r"temperature=2.5: expected a float in \[0, 2\]"):
+        SamplingParams(temperature=2.5)
+    with pytest.raises(ValueError, match=r"n=2: expected 1 with greedy sampling"):
+        SamplingParams(n=2, temperature=0)
+    assert SamplingParams(n=2, temperature=0.5).n == 2
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(logprobs=True).logprobs == 1
+    assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
 
 
 def test_sampling_params_normalises_sequences():
@@ -71,7 +87,7 @@ def test_sampling_params_normalises_sequences():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {1: float("inf")}}, "logit_bias"),
