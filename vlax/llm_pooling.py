@@ -214,12 +214,8 @@ def _score_inputs(data_1, data_2) -> tuple[list[str], list[str]]:
 
 
 def _prompt_list(prompts) -> list:
-    if isinstance(prompts, str | Mapping):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("no prompts given")
-    return prompts
+    # No prompts: no outputs, as generate (and vLLM's pooling calls) answer.
+    return [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
 
 
 def _per_prompt(pooling_params, n: int) -> list[PoolingParams | None]:

@@ -137,6 +137,12 @@ def test_minilm_long_inputs_are_refused_or_truncated(minilm):
         minilm.embed("hi", pooling_params=PoolingParams(dimensions=8))
 
 
+def test_no_prompts_give_no_outputs(minilm):
+    """As generate, and vLLM's pooling calls: an empty list is an empty answer, not an error."""
+    assert minilm.embed([], use_tqdm=False) == [] and minilm.encode([], use_tqdm=False) == []
+    assert [len(o.outputs.embedding) for o in minilm.embed(["a"], use_tqdm=False)] == [384]
+
+
 def test_an_encoder_cannot_generate(minilm):
     with pytest.raises(ValueError) as err:
         minilm.generate("Hello")
