@@ -9,7 +9,8 @@ vLLM's PoolingParams, with its names, defaults and meanings:
 - `normalize` (embed, token_embed): L2-normalize the embedding; None takes the model's default.
 - `use_activation` (classify, score): softmax over the labels (sigmoid for one label or a
   multi-label head, none for a regression head); None means True. `activation` is its name
-  before vLLM 0.15, still accepted here.
+  before vLLM 0.15, still accepted here. For embed and token_embed it is vLLM 0.33's name of the
+  normalize switch (its PoolingParams has no `normalize`): given there, it sets `normalize`.
 
 A value is made by the caller and resolved once for its task by `verify`, which fills the
 defaults from the model and refuses what the task does not take, as vLLM's `verify` does.
@@ -24,8 +25,8 @@ POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 TOKEN_TASKS = ("token_embed", "token_classify")
 # The parameters each task takes (vLLM's valid_parameters); the others must stay None.
 _TASK_PARAMETERS = {
-    "embed": ("dimensions", "normalize"),
-    "token_embed": ("dimensions", "normalize"),
+    "embed": ("dimensions", "normalize", "use_activation"),
+    "token_embed": ("dimensions", "normalize", "use_activation"),
     "classify": ("use_activation",),
     "score": ("use_activation",),
     "token_classify": ("use_activation",),
@@ -116,8 +117,17 @@ class PoolingParams:
         if self.skip_reading_prefix_cache is None:
             changes["skip_reading_prefix_cache"] = task in TOKEN_TASKS
         if "normalize" in valid:
-            if self.normalize is None:
-                changes["normalize"] = default_normalize
+            normalize = self.normalize
+            if self.use_activation is not None:  # vLLM 0.33's name for it on these tasks
+                if normalize is not None and normalize != self.use_activation:
+                    raise _bad(
+                        "use_activation",
+                        self.use_activation,
+                        f"the same as normalize={normalize} (for {task} both name the "
+                        "normalization; give one of them)",
+                    )
+                normalize = self.use_activation
+            changes["normalize"] = default_normalize if normalize is None else normalize
             if self.dimensions is not None:
                 _check_dimensions(
                     self.dimensions, model, hidden_size, is_matryoshka, matryoshka_dimensions

@@ -130,8 +130,9 @@ def test_dimensions_truncation_and_scores(qwen3, roomy):
     np.testing.assert_allclose(small[0].outputs.embedding, want, atol=2e-5)
     with pytest.raises(ValueError, match="64-dimensional embeddings"):
         roomy.embed(_tokens(prompt), pooling_params=PoolingParams(dimensions=65))
-    with pytest.raises(ValueError, match=r"Task embed only supports"):
-        roomy.embed(_tokens(prompt), pooling_params=PoolingParams(use_activation=True))
+    # vLLM 0.33's normalize switch for embeddings: use_activation=False leaves the raw state.
+    raw = roomy.embed(_tokens(prompt), pooling_params=PoolingParams(use_activation=False))
+    np.testing.assert_allclose(raw[0].outputs.embedding, hidden(prompt)[-1], rtol=2e-5, atol=2e-5)
 
     (long,) = _prompts(6, [300])
     with pytest.raises(ValueError, match="300 tokens, more than max_model_len=256"):

@@ -30,12 +30,25 @@ def test_activation_is_the_old_name_of_use_activation():
         PoolingParams(activation=False, use_activation=True)
 
 
+def test_use_activation_is_the_normalize_switch_of_embedding_tasks():
+    """vLLM 0.33's PoolingParams has no `normalize`: for embed and token_embed its
+    use_activation (and so the older `activation`) decides normalization."""
+    for task in ("embed", "token_embed"):
+        for value in (False, True):
+            for given in (dict(use_activation=value), dict(activation=value)):
+                assert PoolingParams(**given).verify(task, model="m").normalize is value
+        both = PoolingParams(use_activation=False, normalize=False).verify(task, model="m")
+        assert both.normalize is False
+        with pytest.raises(ValueError, match="use_activation=True: expected the same as normalize"):
+            PoolingParams(use_activation=True, normalize=False).verify(task, model="m")
+
+
 def test_a_task_refuses_the_parameters_of_another():
     with pytest.raises(ValueError) as err:
-        PoolingParams(use_activation=True).verify("embed", model="m")
+        PoolingParams(normalize=True).verify("score", model="m")
     assert str(err.value) == (
-        "Task embed only supports ['dimensions', 'normalize'] parameters, does not support "
-        "['use_activation'] parameters"
+        "Task score only supports ['use_activation'] parameters, does not support "
+        "['normalize'] parameters"
     )
     with pytest.raises(ValueError, match=r"Task classify only supports \['use_activation'\]"):
         PoolingParams(normalize=False, dimensions=8).verify("classify", model="m")
