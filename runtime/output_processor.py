@@ -68,7 +68,7 @@ class OutputProcessor:
             params = child.sampling_params
             detokenizer = (
                 None
-                if self.tokenizer is None
+                if self.tokenizer is None or not params.detokenize
                 else IncrementalDetokenizer(self.tokenizer, params, processed.prompt_token_ids)
             )
             self.samples[child.request_id] = _Sample(
@@ -192,8 +192,9 @@ class OutputProcessor:
         del self.requests[processed.request_id]
         prompt_logprobs = None
         if processed.params.prompt_logprobs is not None:
+            decode = processed.params.detokenize
             prompt_logprobs = [None] + [
-                p for e in parent.prompt_logprobs for p in self._positions(e)
+                p for e in parent.prompt_logprobs for p in self._positions(e, decode)
             ]
         return [
             RequestOutput(
@@ -217,7 +218,8 @@ class OutputProcessor:
     ) -> CompletionOutput:
         logprobs = cumulative = None
         if sample.logprobs is not None:
-            positions = [p for e in sample.logprobs for p in self._positions(e)]
+            decode = sample.parent.processed.params.detokenize
+            positions = [p for e in sample.logprobs for p in self._positions(e, decode)]
             logprobs = positions[: len(token_ids)]
             cumulative = sum(p[t].logprob for p, t in zip(logprobs, token_ids, strict=False))
         return CompletionOutput(
@@ -231,7 +233,9 @@ class OutputProcessor:
             error=error,
         )
 
-    def _positions(self, entry: LogprobsEntry) -> list[PositionLogprobs]:
+    def _positions(self, entry: LogprobsEntry, decode: bool) -> list[PositionLogprobs]:
+        """Each position's logprobs, their tokens decoded unless the request asked for no
+        detokenization (vLLM's detokenize=False: decoded_token None)."""
         out = []
         for ids, lps, rank in zip(
             entry.token_ids, entry.logprobs, entry.sampled_token_ranks, strict=True
@@ -243,7 +247,7 @@ class OutputProcessor:
                     continue
                 decoded = (
                     None
-                    if self.tokenizer is None
+                    if self.tokenizer is None or not decode
                     else self.tokenizer.decode([tid], skip_special_tokens=False)
                 )
                 pos[tid] = Logprob(lp, rank if col == 0 else col, decoded)

@@ -74,6 +74,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's detokenize: False leaves the output text "" and every logprob's decoded_token None
+    # (token ids only), and takes no stop strings (they are matched on the text).
+    detokenize: bool = True
     # (token id, bias) pairs sorted by token id; a dict or Map is accepted and normalised.
     logit_bias: tuple[tuple[int, float], ...] | None = None
     # Only these ids can be sampled: every other logit is -inf before sampling (vLLM's allowed
@@ -129,8 +132,15 @@ class SamplingParams:
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
             raise _bad(own, "stop", self.stop, "a non-empty string or a sequence of them")
         set_(self, "stop", tuple(stop))
+        if self.stop and self.detokenize is False:
+            raise _bad(own, "stop", list(self.stop), "no stop strings with detokenize=False")
         set_(self, "stop_token_ids", _int_tuple(own, "stop_token_ids", self.stop_token_ids))
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "detokenize",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(own, name, getattr(self, name), "a bool")
         for name in ("logprobs", "prompt_logprobs"):

@@ -73,6 +73,22 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
         assert tok in pos
 
 
+def test_detokenize_false_gives_token_ids_only(llm):
+    """vLLM's detokenize=False: the same tokens, text "" and no decoded logprob tokens; stop
+    strings (matched on the text) are refused with it."""
+    kw = dict(temperature=0, max_tokens=5, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (plain,) = llm.generate(["Hello there"], SamplingParams(**kw), use_tqdm=False)
+    (ids,) = llm.generate(["Hello there"], SamplingParams(**kw, detokenize=False), use_tqdm=False)
+    assert ids.outputs[0].token_ids == plain.outputs[0].token_ids and plain.outputs[0].text
+    assert ids.outputs[0].text == ""
+    for got, want in zip(ids.outputs[0].logprobs, plain.outputs[0].logprobs, strict=True):
+        assert {t: p.logprob for t, p in got.items()} == {t: p.logprob for t, p in want.items()}
+        assert all(p.decoded_token is None for p in got.values())
+    assert all(p.decoded_token is None for row in ids.prompt_logprobs[1:] for p in row.values())
+    with pytest.raises(ValueError, match="stop=\\['x'\\]: expected no stop strings"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_chat_uses_the_template(llm):
     msgs = [{"role": "user", "content": "hi"}]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
