@@ -209,7 +209,7 @@ def from_hf_dict(
         architecture=arch,
         model_type=hf.get("model_type", ""),
         runner_type=routing.runner_type,
-        dtype=_dtype(hf, dtype, path),
+        dtype=_dtype(hf, dtype, path, pooling=routing.runner_type == "pooling"),
         vocab_size=_positive_int(hf, "vocab_size", path),
         hidden_size=hidden,
         intermediate_size=_positive_int(hf, "intermediate_size", path),
@@ -347,17 +347,39 @@ def _activation(hf: dict, path: str) -> str:
     return act
 
 
-def _dtype(hf: dict, dtype: str, path: str) -> str:
+# vLLM 0.33's model types that float16 makes numerically unstable (config/model.py).
+FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text", "glm4")
+
+
+def checkpoint_dtype(hf: dict) -> str:
+    """The dtype a checkpoint's config.json declares (float32 when it declares none)."""
+    # transformers 5.x writes `dtype`; older checkpoints carry `torch_dtype`.
+    return hf.get("dtype") or hf.get("torch_dtype") or "float32"
+
+
+def _dtype(hf: dict, dtype: str, path: str, *, pooling: bool) -> str:
+    """vLLM 0.33's choice (config/model.py _get_and_verify_dtype, its platforms' bfloat16,
+    float16, float32 order): "auto" keeps a bfloat16 or float16 checkpoint's dtype and
+    downcasts a float32 one, to float16 for a pooling model and bfloat16 otherwise; a model
+    type float16 makes unstable never gets it (auto takes bfloat16, an explicit float16 is
+    refused)."""
+    model_type = hf.get("model_type", "")
+    unstable = model_type in FLOAT16_UNSTABLE
     if dtype == "auto":
-        # transformers 5.x writes `dtype`; older checkpoints carry `torch_dtype`.
-        found = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+        found = checkpoint_dtype(hf)
         if found not in DTYPES:
             raise ConfigError(
                 f"{path}: checkpoint dtype {found!r} is not supported; pass dtype= one of {DTYPES}"
             )
-        return found
+        preferred = "float16" if pooling and not unstable else "bfloat16"
+        return preferred if found == "float32" or (found == "float16" and unstable) else found
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
+    if dtype == "float16" and unstable:
+        raise ConfigError(
+            f"{path}: model_type {model_type!r} does not support float16 (numerical "
+            "instability, as vLLM refuses it); use bfloat16 or float32"
+        )
     return dtype
 
 

@@ -8,7 +8,7 @@ from model.config import DTYPES, ConfigError
 from runtime.offload.store import KVStore, check_store
 
 # The accepted values, shared with the CLI's choices.
-DTYPE_CHOICES = ("auto", *DTYPES)  # the checkpoint's own dtype, or one to cast it to
+DTYPE_CHOICES = ("auto", *DTYPES)  # vLLM's choice from the checkpoint (model/config.py), or a cast
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 _OFFLOAD = (None, "host", "mooncake")
 RUNNERS = ("auto", "generate", "pooling")

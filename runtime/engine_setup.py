@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from model import base
-from model.config import ModelConfig
+from model.config import ModelConfig, checkpoint_dtype
 from runtime.config import ConfigError, EngineConfig
 from runtime.multimodal.prefix_lm import prefix_lm_engine_config
 from runtime.pooling_schedule import pooling_engine_config
@@ -46,6 +46,16 @@ def resolve(config: EngineConfig) -> EngineSetup:
     )
     # Runner, pooling and attention type, each with the attribute that decided it: once.
     log.info("%s: %s", config.model, model_config.describe_routing())
+    declared = checkpoint_dtype(model_config.hf_config)
+    if config.dtype == "auto" and model_config.dtype != declared:
+        log.info(
+            "dtype='auto': the %s checkpoint computes in %s (vLLM 0.33's rule: a float32 "
+            "checkpoint is downcast, to float16 for a pooling model and bfloat16 otherwise); "
+            "pass dtype=%r to keep its own",
+            declared,
+            model_config.dtype,
+            declared,
+        )
     if model_config.runner_type == "pooling":
         config = pooling_engine_config(config, model_config)
     else:

@@ -21,7 +21,8 @@ def add_engine_flags(p: argparse.ArgumentParser, pooling: bool = False) -> None:
         "--dtype",
         default="auto",
         choices=DTYPE_CHOICES,
-        help="dtype of weights and activations; auto: the checkpoint's own",
+        help="dtype of weights and activations; auto: vLLM's choice (a bfloat16 or float16 "
+        "checkpoint's own; a float32 one downcast, to float16 for a pooling model, else bfloat16)",
     )
     p.add_argument(
         "--max-model-len",

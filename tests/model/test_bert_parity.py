@@ -143,7 +143,7 @@ def step_fns(graphdef):
 def classifier(tmp_path_factory):
     path = tmp_path_factory.mktemp("bert_cls")
     hf = save_tiny(path, "BertForSequenceClassification", seed=0, num_labels=NUM_LABELS)
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     graphdef, state = load_model(path, config)
     return path, config, hf, state, *step_fns(graphdef)
 
@@ -203,7 +203,7 @@ def test_is_decoder_config_attends_causally(tmp_path):
     """One class, BertModel, attends causally when its configuration says is_decoder: the
     attention type comes from the config (HF builds its mask from the same flag)."""
     hf = save_tiny(tmp_path, "BertModel", seed=1, is_decoder=True)
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path, dtype="float32")
     assert (config.attention_type, config.pooling_type) == ("causal", "LAST")
     graphdef, state = load_model(tmp_path, config)  # HF's pooler weights: ignored
     forward, _ = step_fns(graphdef)

@@ -37,7 +37,7 @@ def test_reads_a_transformers_written_config(tmp_path):
         "generate",
     )
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 16)
-    assert c.dtype == "float32" and c.tie_word_embeddings
+    assert c.dtype == "bfloat16" and c.tie_word_embeddings  # float32 written, auto downcasts
     assert c.eos_token_ids == (2,) and c.bos_token_id == 1 and c.pad_token_id == 0
     assert c.rope.rope_type == "default" and c.rope.theta == 10000.0
     assert c.sliding_windows == (None, None)
@@ -79,9 +79,18 @@ def test_inconsistent_head_counts_are_rejected_naming_the_values():
 
 
 def test_dtype_policy():
-    assert cfg().dtype == "float32"  # no dtype recorded
+    """vLLM 0.33's "auto": a bfloat16 or float16 checkpoint keeps its dtype; a float32 one (or
+    one recording none) is downcast, to float16 for a pooling model and bfloat16 otherwise; a
+    model type float16 makes unstable never gets float16."""
+    assert cfg().dtype == "bfloat16"  # no dtype recorded: float32, downcast
+    assert cfg(dtype="float32").dtype == "bfloat16"
+    assert from_hf_dict({**BASE, "dtype": "float32"}, runner="pooling").dtype == "float16"
     assert cfg(dtype="bfloat16").dtype == "bfloat16"  # transformers 5.x key
     assert cfg(torch_dtype="float16").dtype == "float16"  # legacy key
+    unstable = {**BASE, "model_type": "gemma2", "torch_dtype": "float16"}
+    assert from_hf_dict(unstable, runner="pooling").dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="model_type 'gemma2' does not support float16"):
+        from_hf_dict(unstable, dtype="float16")
     assert from_hf_dict({**BASE, "dtype": "bfloat16"}, dtype="float32").dtype == "float32"
     assert from_hf_dict(BASE, dtype="bfloat16").jnp_dtype.name == "bfloat16"
     with pytest.raises(ConfigError, match="'int8'"):

@@ -167,7 +167,7 @@ def _ragged_tokens(seed):
     return tokens
 
 
-def _load(path, dtype="auto"):
+def _load(path, dtype="float32"):
     return load_model(path, ModelConfig.from_pretrained(path, dtype=dtype), OPTIONS)
 
 
@@ -240,7 +240,13 @@ def test_engine_greedy_tokens_and_logprobs_match_hf(checkpoints, hf_reference):
         ref = [(toks, lps) for toks, lps, _ in hf_reference[name]]
         args = ENGINE_ARGS[name]
         llm = LLM(
-            path, max_model_len=64, block_size=BLOCK, num_kv_blocks=17, record_steps=None, **args
+            path,
+            dtype="float32",
+            max_model_len=64,
+            block_size=BLOCK,
+            num_kv_blocks=17,
+            record_steps=None,
+            **args,
         )
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [r[0] for r in ref], name
@@ -286,7 +292,7 @@ def test_selected_positions_attend_only_those(checkpoints):
     prefill chunk after a cached chunk and a fresh prefill; against the expanded-form oracle, and
     with every causal position selected, equal to dense attention."""
     path = checkpoints["nolora_k0_groups_yarn"]
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     model = nnx.merge(*load_model(path, config, OPTIONS))
     dense = model.model.layers[0].self_attn
     latent = dense.shape.latent_dim

@@ -229,7 +229,9 @@ def test_hf_cached_generate_agrees_with_its_uncached_argmax(v32):
 
 
 def _run(path, prompts, **engine_kw):
-    llm = LLM(path, max_model_len=64, block_size=BLOCK, record_steps=None, **engine_kw)
+    llm = LLM(
+        path, dtype="float32", max_model_len=64, block_size=BLOCK, record_steps=None, **engine_kw
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     got = [
         (
@@ -305,7 +307,7 @@ def test_forced_pallas_sparse_decode_gives_the_reference_tokens(v32, logger_mess
 
 def test_cache_specs_and_refusals(v32):
     path, _, _ = v32
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     options = ModelOptions(block_size=BLOCK)
     latent, keys = DeepseekV32ForCausalLM.cache_specs(config, options)
     assert (latent.name, latent.parts, latent.page_shape) == (
@@ -341,7 +343,7 @@ def _dense_twin(config, options, sparse_state):
 def test_contexts_within_index_topk_equal_dense_mla(v32):
     """While no context is longer than index_topk (6) V3.2 is dense MLA; past it they differ."""
     path, _, _ = v32
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     options = ModelOptions(block_size=BLOCK)
     models = {"sparse": load_model(path, config, options)}
     models["dense"] = _dense_twin(config, options, models["sparse"][1])

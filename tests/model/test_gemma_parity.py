@@ -40,7 +40,7 @@ def gemma(request, tmp_path_factory):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     path = tmp_path_factory.mktemp(f"gemma{request.param}")
     hf.eval().save_pretrained(path)
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     options = ModelOptions(block_size=BLOCK)
     graphdef, state = load_model(path, config, options)
     caches = base.allocate(nnx.merge(graphdef, state).cache_specs(config, options), 32)

@@ -40,7 +40,7 @@ SHAPE = dict(num_tokens=64, num_seqs=4, max_blocks=4)  # every batch alike: one 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("kimi"), "kimi_linear", seed=0)
-    return ModelConfig.from_pretrained(path), hf_load(path)
+    return ModelConfig.from_pretrained(path, dtype="float32"), hf_load(path)
 
 
 class Driver:

@@ -153,7 +153,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _our_logprobs(path: str, tokens: list[int]) -> np.ndarray:
     """Logprobs [len(tokens), vocab]: step 1 the prompt, step 2 the rest from the paged cache."""
-    graphdef, state = load_model(path, ModelConfig.from_pretrained(path), OPTIONS)
+    graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype="float32"), OPTIONS)
     model = nnx.merge(graphdef, state)
     kv = base.allocate(type(model).cache_specs(model.config, OPTIONS), BLOCKS + 1)
     table = tuple(range(1, BLOCKS + 1))

@@ -98,7 +98,7 @@ def models(checkpoints):
     return {name: _load(path) for name, path in checkpoints.items()}
 
 
-def _load(path, dtype="auto"):
+def _load(path, dtype="float32"):
     graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype=dtype), OPTIONS)
     return graphdef, state
 

@@ -31,7 +31,7 @@ def _rewrite(src, dst, tensors):
 
 
 def _load(path, **kw):
-    return load_model(path, ModelConfig.from_pretrained(path, **kw))
+    return load_model(path, ModelConfig.from_pretrained(path, **{"dtype": "float32", **kw}))
 
 
 def _flat(state):

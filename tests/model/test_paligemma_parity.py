@@ -41,7 +41,7 @@ def _images(n: int, seed: int) -> np.ndarray:
 
 
 def _build(path):
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     graphdef, state = load_model(path, config, ModelOptions(block_size=BLOCK))
     model = nnx.merge(graphdef, state)
     caches = base.allocate(type(model).cache_specs(config, ModelOptions(block_size=BLOCK)), 64)

@@ -88,7 +88,7 @@ def test_async_tokens_equal_sync_and_hf_greedy_and_seeded_with_preemption(llama)
     )
     runs = {}
     for mode in (False, True):
-        llm = LLM(llama, async_scheduling=mode, record_steps=None, **LLM_CONFIG)
+        llm = LLM(llama, dtype="float32", async_scheduling=mode, record_steps=None, **LLM_CONFIG)
         assert llm.engine.async_scheduling is mode
         calls = _calls(llm.engine.runner)
         runs[mode] = [
@@ -124,13 +124,17 @@ def test_async_tokens_equal_sync_and_hf_greedy_and_seeded_with_preemption(llama)
 
 @pytest.fixture(scope="module")
 def engine(llama):
-    return Engine(EngineConfig(model=llama, async_scheduling=True, **ENGINE_CONFIG))
+    return Engine(
+        EngineConfig(dtype="float32", model=llama, async_scheduling=True, **ENGINE_CONFIG)
+    )
 
 
 @pytest.fixture(scope="module")
 def clean(llama):
     """Each prompt's tokens when nothing fails, scheduled synchronously."""
-    sync = Engine(EngineConfig(model=llama, async_scheduling=False, **ENGINE_CONFIG))
+    sync = Engine(
+        EngineConfig(dtype="float32", model=llama, async_scheduling=False, **ENGINE_CONFIG)
+    )
     return {rid: c.token_ids for rid, c in run(sync, PROMPTS).items()}
 
 
@@ -265,7 +269,9 @@ def test_abort_with_steps_in_flight_reports_once_and_keeps_the_others(engine, cl
 
 
 def test_a_failure_reading_the_step_back_ends_the_engine(llama):
-    engine = Engine(EngineConfig(model=llama, async_scheduling=True, **ENGINE_CONFIG))
+    engine = Engine(
+        EngineConfig(dtype="float32", model=llama, async_scheduling=True, **ENGINE_CONFIG)
+    )
 
     def failing_logprobs(*args):
         raise RuntimeError("injected failure reading the step")
@@ -281,11 +287,11 @@ def test_a_failure_reading_the_step_back_ends_the_engine(llama):
 
 def test_async_scheduling_refused_by_name_where_it_cannot_run(llama):
     with pytest.raises(ConfigError, match="async_scheduling=True .*pooling model"):
-        Engine(EngineConfig(model=llama, runner="pooling", async_scheduling=True))
+        Engine(EngineConfig(dtype="float32", model=llama, runner="pooling", async_scheduling=True))
     with pytest.raises(ConfigError, match="async_scheduling=True .*kv_offload"):
-        Engine(EngineConfig(model=llama, kv_offload="host", async_scheduling=True))
+        Engine(EngineConfig(dtype="float32", model=llama, kv_offload="host", async_scheduling=True))
     with pytest.raises(ConfigError, match="async_scheduling must be True, False or None"):
-        EngineConfig(model=llama, async_scheduling="yes")
+        EngineConfig(dtype="float32", model=llama, async_scheduling="yes")
 
 
 def test_hybrid_state_slots_async_tokens_equal_sync_with_preemption(tmp_path):
@@ -307,7 +313,7 @@ def test_hybrid_state_slots_async_tokens_equal_sync_with_preemption(tmp_path):
     )
     runs = {}
     for mode in (False, True):
-        llm = LLM(path, async_scheduling=mode, **config)
+        llm = LLM(path, dtype="float32", async_scheduling=mode, **config)
         assert llm.engine.runner.num_state_slots == 3
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs[mode] = [o.outputs[0].token_ids for o in outputs]

@@ -74,7 +74,7 @@ def build(tmp_path_factory):
                 path = write_tiny_checkpoint(directory, "deepseek_v3", seed=2)
             else:
                 path = _write_v32(directory, seed=2)
-            plain = LLM(path, **ENGINE, num_kv_blocks=NUM_KV_BLOCKS)
+            plain = LLM(path, dtype="float32", **ENGINE, num_kv_blocks=NUM_KV_BLOCKS)
             built[name] = (path, plain, tokens(plain, PROMPTS))
         return built[name]
 
@@ -102,7 +102,12 @@ def test_offload_stores_and_loads_every_pool(family):
     pools = ["MLA latent"] + (["DSA indexer keys"] if name == "deepseek_v32" else [])
     assert [s.name for s in specs] == pools
     llm = LLM(
-        path, **ENGINE, num_kv_blocks=NUM_KV_BLOCKS, kv_offload="host", kv_offload_bytes=1 << 20
+        path,
+        dtype="float32",
+        **ENGINE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        kv_offload="host",
+        kv_offload_bytes=1 << 20,
     )
     try:
         # A stored block is its slice of every pool.

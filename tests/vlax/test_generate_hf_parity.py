@@ -65,6 +65,7 @@ def test_greedy_tokens_and_logprobs_match_hf_with_chunked_prefill(checkpoints, a
     # A 16-token budget chunks the 17- and 40-token prompts over several steps, mixed with decodes.
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=16,
         max_num_seqs=4,
@@ -85,6 +86,7 @@ def test_prefix_hits_preemption_and_no_chunking_keep_hf_tokens(checkpoints):
     # 16 usable blocks of 4 tokens cannot hold six ~35-token sequences: requests get preempted.
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         max_num_seqs=6,
         block_size=4,
@@ -107,6 +109,7 @@ def test_pallas_attention_backend_matches_hf(checkpoints):
     prompts = _prompts(12, [6, 19])
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         max_num_batched_tokens=16,
         max_num_seqs=2,
@@ -131,7 +134,13 @@ def test_bf16_f32_kv_cache_on_cpu_gives_the_bf16_cache_tokens(tmp_path, monkeypa
     for backend, kernels in (("reference", False), ("reference", True), ("pallas", True)):
         choice = cpu_bf16.choose(flags, native_kernels=kernels)
         monkeypatch.setattr(cpu_bf16, "host_choice", lambda head_dim, choice=choice: choice)
-        llm = LLM(path, max_model_len=64, max_num_seqs=2, block_size=8, attention_backend=backend)
+        llm = LLM(
+            path,
+            max_model_len=64,
+            max_num_seqs=2,
+            block_size=8,
+            attention_backend=backend,
+        )
         kv_dtype = llm.engine.runner.kv_caches[0][0].dtype.name
         runs.append((kv_dtype, _ours(llm.generate(prompts, GREEDY, use_tqdm=False))))
     (dt_f32, f32), (dt_bf16, bf16), (dt_pallas, pallas) = runs

@@ -90,7 +90,7 @@ def test_batches_chunked_prefill_and_preemption_match_hf(kimi, logger_messages):
         logger_messages("runtime.engine_setup") as engine_log,
         logger_messages("runtime.runner.model_runner") as runner_log,
     ):
-        chunked = LLM(path, **ENGINE, max_num_batched_tokens=7)
+        chunked = LLM(path, dtype="float32", **ENGINE, max_num_batched_tokens=7)
     # One state slot per sequence that may run; the log line names the blocks and the slots.
     runner = chunked.engine.runner
     assert runner.num_state_slots == 3 and chunked.engine.state.config.num_state_slots == 3
@@ -132,7 +132,7 @@ def test_batches_chunked_prefill_and_preemption_match_hf(kimi, logger_messages):
     # 16 tokens a step: the first batch holds three prompts of different lengths; the pool
     # cannot hold three of the longer sequences, so requests are preempted and recompute their
     # state.
-    batched = LLM(path, **ENGINE, max_num_batched_tokens=16)
+    batched = LLM(path, dtype="float32", **ENGINE, max_num_batched_tokens=16)
     outputs = _generate(batched, prompts)
     assert [o.outputs[0].token_ids for o in outputs] == [r[0] for r in reference]
     check_logprobs_close(_ours(outputs), reference, atol=2e-3)
@@ -149,7 +149,9 @@ def test_preempted_request_slot_reused_then_readmitted_keeps_hf_tokens(kimi):
     path, batch, batch_reference = kimi
     prompts = {rid: batch[i] for rid, i in SCENARIO.items()}
     reference = {rid: batch_reference[i] for rid, i in SCENARIO.items()}
-    llm = LLM(path, **ENGINE, max_num_batched_tokens=16, scheduling_policy="priority")
+    llm = LLM(
+        path, dtype="float32", **ENGINE, max_num_batched_tokens=16, scheduling_policy="priority"
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for rid, priority in (("A", 0), ("F", 0), ("X", 1)):
@@ -188,6 +190,7 @@ def test_kda_forced_to_pallas_gives_the_reference_tokens(kimi):
     path, prompts, reference = kimi
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         block_size=BLOCK,
         max_num_seqs=2,
@@ -215,19 +218,34 @@ def test_offload_and_too_many_sequences_are_refused_with_reasons(kimi):
         ):
             LLM(
                 path,
+                dtype="float32",
                 max_model_len=64,
                 block_size=BLOCK,
                 kv_offload=offload,
                 mooncake_master="127.0.0.1:1",
             )
 
-    config = ModelConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path, dtype="float32")
     specs = model_cache_specs(config, model_options(config, BLOCK, "auto"))
     per_slot = base.bytes_per_slot(specs)
     one_request = (64 // BLOCK + 1) * base.bytes_per_block(specs)
     budget = one_request + 5 * per_slot  # 4 slots and the scratch row
     with pytest.raises(KVCacheSizeError, match="holds only 4 state slots beside them: lower "):
-        LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=8, kv_cache_bytes=budget)
-    llm = LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=4, kv_cache_bytes=budget)
+        LLM(
+            path,
+            dtype="float32",
+            max_model_len=64,
+            block_size=BLOCK,
+            max_num_seqs=8,
+            kv_cache_bytes=budget,
+        )
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=64,
+        block_size=BLOCK,
+        max_num_seqs=4,
+        kv_cache_bytes=budget,
+    )
     assert llm.engine.runner.num_state_slots == 4
     assert llm.engine.runner.state_cache_bytes == 5 * per_slot

@@ -15,7 +15,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(path, max_model_len=256, max_num_seqs=8, block_size=16)
+    return LLM(path, dtype="float32", max_model_len=256, max_num_seqs=8, block_size=16)
 
 
 def test_text_prompts_in_order_with_text_and_finish_reasons(llm):

@@ -94,7 +94,7 @@ def _write_tiny_bert(directory, num_labels: int, seed: int, tokenizer_from: str 
 
 @pytest.fixture(scope="module")
 def minilm():
-    return LLM(MINILM, max_num_seqs=32, record_steps=None)
+    return LLM(MINILM, dtype="float32", max_num_seqs=32, record_steps=None)
 
 
 def test_minilm_embeddings_through_the_engine_match_transformers(minilm):
@@ -156,7 +156,7 @@ def test_tiny_classifier_probs_match_hf_over_many_batch_shapes(tmp_path):
     import torch
 
     path, hf = _write_tiny_bert(tmp_path / "cls", num_labels=3, seed=11)
-    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=128, record_steps=None)
+    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, record_steps=None)
     rng = np.random.default_rng(0)
     for lengths in ([1], [7, 64, 2, 33], [5] * 11, [64, 64, 1, 17, 40, 9]):
         prompts = [[101, *rng.integers(3, 128, n - 1).tolist()] for n in lengths]
@@ -184,7 +184,7 @@ def test_tiny_cross_encoder_scores_pairs_with_token_types(tmp_path):
     import transformers
 
     path, hf = _write_tiny_bert(tmp_path / "ce", num_labels=1, seed=12, tokenizer_from=MINILM)
-    llm = LLM(path, max_num_seqs=8)
+    llm = LLM(path, dtype="float32", max_num_seqs=8)
     query = "what is the capital of france"
     docs = ["Paris is the capital of France.", "The cat sits outside.", "France"]
     outs = llm.score(query, docs, use_tqdm=False)
@@ -210,8 +210,8 @@ def test_settings_that_would_split_a_bidirectional_prompt_are_refused():
     with pytest.raises(
         ConfigError, match="max_num_batched_tokens=128 must be at least max_model_len=256"
     ):
-        LLM(MINILM, max_num_batched_tokens=128)
+        LLM(MINILM, dtype="float32", max_num_batched_tokens=128)
     with pytest.raises(ConfigError, match="long_prefill_token_threshold=16 would split prompts"):
-        LLM(MINILM, long_prefill_token_threshold=16)
+        LLM(MINILM, dtype="float32", long_prefill_token_threshold=16)
     with pytest.raises(ConfigError, match="kv_offload='host'.*keeps no reusable prefix"):
-        LLM(MINILM, kv_offload="host")
+        LLM(MINILM, dtype="float32", kv_offload="host")

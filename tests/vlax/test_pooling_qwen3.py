@@ -52,7 +52,7 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def roomy(qwen3):
     """Default budget: whole prompts of every length in one step."""
-    return LLM(qwen3[0], runner="pooling", max_num_seqs=16, record_steps=None)
+    return LLM(qwen3[0], dtype="float32", runner="pooling", max_num_seqs=16, record_steps=None)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def tight(qwen3):
     (preemption)."""
     return LLM(
         qwen3[0],
+        dtype="float32",
         runner="pooling",
         max_num_seqs=4,
         num_kv_blocks=18,
@@ -164,7 +165,7 @@ def test_the_wrong_runner_is_a_clear_error(qwen3, roomy):
     with pytest.raises(ValueError, match=r"LLM.classify\(\) needs a classification head"):
         roomy.classify(_tokens([5, 6, 7]))
 
-    generator = LLM(path)  # runner "auto": a causal LM head generates
+    generator = LLM(path, dtype="float32")  # runner "auto": a causal LM head generates
     for call in (generator.embed, generator.encode, generator.classify):
         with pytest.raises(ValueError) as err:
             call(_tokens([5, 6, 7]))

@@ -94,7 +94,9 @@ def generate(llm, prompt, params):
 
 
 def test_prompt_logprobs_with_and_without_a_prefix_hit_match_hf(path, hf, prompts):
-    llm = LLM(path, max_model_len=64, block_size=BLOCK, max_num_seqs=2, record_steps=None)
+    llm = LLM(
+        path, dtype="float32", max_model_len=64, block_size=BLOCK, max_num_seqs=2, record_steps=None
+    )
     # No hit: nothing is cached yet.
     fresh, _ = generate(llm, prompts["fresh"], WITH_PROMPT_LOGPROBS)
     check_prompt_logprobs(fresh, hf)
@@ -144,6 +146,7 @@ def test_prompt_logprobs_over_chunked_prefill_with_a_prefix_hit_match_hf(path, h
     # A 16-token budget: the 40-token prompt is computed in chunks of 16, 16 and 8.
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         block_size=BLOCK,
         max_num_seqs=2,
@@ -174,6 +177,7 @@ def test_prompt_logprobs_of_preempted_requests_match_hf(path, hf, prompts):
     prompt again from the start; its prompt logprobs are still one entry per prompt token."""
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         block_size=BLOCK,
         max_num_seqs=2,
@@ -221,6 +225,7 @@ def test_prompt_logprobs_request_loads_nothing_from_the_kv_store(path, hf, promp
     request would load 9 of them; a prompt-logprobs request computes all 40 tokens instead."""
     llm = LLM(
         path,
+        dtype="float32",
         max_model_len=64,
         block_size=BLOCK,
         max_num_seqs=2,

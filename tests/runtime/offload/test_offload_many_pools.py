@@ -145,7 +145,12 @@ def tokens(llm, prompts):
 def plain(checkpoint, logger_messages):
     """An engine without offload, sized by a byte budget."""
     with logger_messages("runtime.runner.model_runner") as log:
-        llm = LLM(checkpoint, **ENGINE, kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES + BLOCK_BYTES - 1)
+        llm = LLM(
+            checkpoint,
+            dtype="float32",
+            **ENGINE,
+            kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES + BLOCK_BYTES - 1,
+        )
     runner = llm.engine.runner
     assert [s.bytes_per_block for s in runner.cache_specs] == list(POOL_BYTES)
     assert runner.num_kv_blocks == NUM_BLOCKS  # the budget over the sum of every pool's bytes
@@ -166,7 +171,12 @@ def baseline(checkpoint, plain, prompts):
 
 def test_every_pool_of_a_block_is_stored_and_loaded(checkpoint, prompts, baseline):
     llm = LLM(
-        checkpoint, **ENGINE, num_kv_blocks=NUM_BLOCKS, kv_offload="host", kv_offload_bytes=1 << 20
+        checkpoint,
+        dtype="float32",
+        **ENGINE,
+        num_kv_blocks=NUM_BLOCKS,
+        kv_offload="host",
+        kv_offload_bytes=1 << 20,
     )
     try:
         assert llm.engine.offloader.store.block_nbytes == BLOCK_BYTES
@@ -191,6 +201,7 @@ def test_preemption_with_offload_refills_every_pool(checkpoint, prompts):
     want = [hf_greedy(hf, p["prompt_token_ids"], 40) for p in short]
     llm = LLM(
         checkpoint,
+        dtype="float32",
         **ENGINE,
         num_kv_blocks=17,
         kv_offload="host",

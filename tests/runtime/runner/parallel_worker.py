@@ -61,6 +61,7 @@ def engines(cases: dict) -> dict:
         for tp in sizes:
             llm = LLM(
                 path,
+                dtype="float32",
                 tensor_parallel_size=tp,
                 enable_expert_parallel=expert_parallel,
                 attention_backend=backend,
@@ -80,7 +81,13 @@ def refusals(cases: dict) -> dict:
     out = {}
     for name, (path, tp, expert_parallel) in cases.items():
         try:
-            LLM(path, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **ENGINE)
+            LLM(
+                path,
+                dtype="float32",
+                tensor_parallel_size=tp,
+                enable_expert_parallel=expert_parallel,
+                **ENGINE,
+            )
             out[name] = None
         except Exception as err:  # noqa: BLE001 (the test reads the type and message)
             out[name] = f"{type(err).__name__}: {err}"
@@ -95,7 +102,7 @@ def host(path: str, tp: int, shift: int) -> dict:
 
     prompts = [list(p) for p in PROMPTS]
     prompts[0][0] += shift
-    llm = LLM(path, tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, **ENGINE)
     result = {"process": jax.process_index(), "devices": jax.device_count()}
     try:
         result["tokens"] = generate(llm, prompts)

@@ -73,7 +73,14 @@ def mistral(tmp_path):
 def test_a_family_registered_from_outside_is_served_with_its_own_pools(mistral, logger_messages):
     prompts = _prompts(1, [4, 13, 7])
     with logger_messages("runtime.runner.model_runner") as log:
-        llm = LLM(mistral, max_model_len=64, max_num_seqs=4, block_size=8, kv_cache_bytes=1 << 16)
+        llm = LLM(
+            mistral,
+            dtype="float32",
+            max_model_len=64,
+            max_num_seqs=4,
+            block_size=8,
+            kv_cache_bytes=1 << 16,
+        )
     runner = llm.engine.runner
     assert [s.name for s in runner.cache_specs] == ["layer 0 K/V", "layer 1 K/V"]
     # 2 pools x (k, v) x 8 tokens x 2 kv heads x 16 dims x 4 bytes = 4096 bytes per block; one
@@ -91,7 +98,7 @@ def test_a_family_registered_from_outside_is_served_with_its_own_pools(mistral, 
 def test_unregistered_family_is_refused_by_name(tmp_path):
     path = _write_mistral(tmp_path / "mistral")
     with pytest.raises(ValueError, match=r"unsupported architecture.*MistralForCausalLM"):
-        LLM(path, max_model_len=64)
+        LLM(path, dtype="float32", max_model_len=64)
 
 
 def test_the_runner_imports_no_model_family():
@@ -120,7 +127,7 @@ def llama(tmp_path_factory):
 
 def test_attention_backend_is_decided_once_with_its_reason(llama, logger_messages):
     with logger_messages("pallas_kernels.backends") as log:
-        llm = LLM(llama, max_model_len=64, max_num_seqs=4, block_size=4)
+        llm = LLM(llama, dtype="float32", max_model_len=64, max_num_seqs=4, block_size=4)
         # Prompts of several lengths: several padded batch shapes, so several traces of the step.
         for lengths in ([3], [9, 20, 2], [33]):
             prompts = [{"prompt_token_ids": p} for p in _prompts(2, lengths)]
@@ -137,7 +144,14 @@ def test_attention_backend_is_decided_once_with_its_reason(llama, logger_message
 
 def test_forced_backend_is_logged_as_forced(llama, logger_messages):
     with logger_messages("pallas_kernels.backends") as log:
-        llm = LLM(llama, max_model_len=64, max_num_seqs=2, block_size=4, attention_backend="pallas")
+        llm = LLM(
+            llama,
+            dtype="float32",
+            max_model_len=64,
+            max_num_seqs=2,
+            block_size=4,
+            attention_backend="pallas",
+        )
     assert log.records == [
         "backend: ragged_paged_attention -> pallas (interpret mode) [forced by configuration]"
     ]
@@ -146,7 +160,7 @@ def test_forced_backend_is_logged_as_forced(llama, logger_messages):
 
 def test_an_override_that_cannot_be_served_fails_when_the_engine_is_built(llama):
     with pytest.raises(BackendError) as e:
-        LLM(llama, max_model_len=256, block_size=256, attention_backend="pallas")
+        LLM(llama, dtype="float32", max_model_len=256, block_size=256, attention_backend="pallas")
     msg = str(e.value)
     assert "attention_backend='pallas' for LlamaForCausalLM at block_size=256" in msg
     assert (
