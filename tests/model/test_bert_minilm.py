@@ -67,7 +67,7 @@ def minilm():
     import torch
     import transformers
 
-    config = ModelConfig.from_pretrained(MINILM)
+    config = ModelConfig.from_pretrained(MINILM, dtype="float32")
     graphdef, state = load_model(MINILM, config)
     tokenizer = Tokenizer.from_pretrained(MINILM)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(MINILM)

@@ -78,7 +78,7 @@ def test_loop_and_native_kernel_match_padded_layout_on_ragged_batches():
                 assert bool(jnp.all(fast[real:] == 0)), case
 
 
-def test_dispatch_takes_the_native_kernel_for_f32_and_the_loop_for_bf16():
+def test_dispatch_takes_the_native_kernel_in_f32_for_every_float_dtype():
     rng = np.random.default_rng(1)
     cu, n = _cu([9, 20, 3], NUM_PADDED), jnp.int32(3)
     shape = (WINDOW, HEADS, DIM)
@@ -92,9 +92,16 @@ def test_dispatch_takes_the_native_kernel_for_f32_and_the_loop_for_bf16():
     # The window is the smaller of max_len and the batch's token count.
     want = _loop(q, k, v, cu, n, window=WINDOW, causal=False)
     np.testing.assert_allclose(got[:32], want[:32], rtol=2e-5, atol=2e-6)
-    narrow = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = fn(*narrow, cu, n, **kw)
-    np.testing.assert_array_equal(got, _loop(*narrow, cu, n, window=WINDOW, causal=False))
+    # A bf16 or f16 encoder: the kernel in f32, as the loop computes, the result cast back.
+    for dtype, tol in ((jnp.bfloat16, 2**-7), (jnp.float16, 2**-10)):
+        narrow = [x.astype(dtype) for x in (q, k, v)]
+        assert native.KERNELS["prefill"][2] in fn.lower(*narrow, cu, n, **kw).as_text()
+        got = fn(*narrow, cu, n, **kw)
+        assert got.dtype == dtype
+        want = _loop(*narrow, cu, n, window=WINDOW, causal=False)
+        np.testing.assert_allclose(
+            np.asarray(got[:32], np.float32), np.asarray(want[:32], np.float32), rtol=tol, atol=tol
+        )
 
 
 def test_non_finite_values_stay_in_their_sequence():
