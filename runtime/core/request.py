@@ -145,8 +145,8 @@ class SamplingParams:
                 raise _bad(own, name, getattr(self, name), "a bool")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is True:  # vLLM: the sampled (or prompt) token's own logprob and the top 1
-                set_(self, name, value := 1)
+            if isinstance(value, bool):  # vLLM reads True as 1 and False as 0 (own logprob only)
+                set_(self, name, value := int(value))
             if value is not None and (not _is_int(value) or value < -1):
                 raise _bad(
                     own, name, value, "an int >= 0 (number of top logprobs), -1 (all) or None"

@@ -33,7 +33,7 @@ def test_sampling_params_defaults_match_vllm():
 def test_sampling_params_follow_vllm_033s_temperature_seed_and_logprobs_rules():
     """vLLM 0.33's SamplingParams.__post_init__: a temperature in (0, 0.01) is raised to 0.01
     (only 0 itself is greedy), past 2 refused, greedy n > 1 refused; seed -1 is no seed and
-    logprobs=True one logprob."""
+    logprobs=True one logprob, False none but the token's own."""
     tiny = SamplingParams(temperature=1e-6)
     assert tiny.temperature == 0.01 and not tiny.greedy
     assert SamplingParams(temperature=2.0).temperature == 2.0
@@ -45,6 +45,7 @@ def test_sampling_params_follow_vllm_033s_temperature_seed_and_logprobs_rules():
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
     assert SamplingParams(logprobs=True).logprobs == 1
     assert SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(logprobs=False).logprobs == 0
 
 
 def test_sampling_params_normalises_sequences():
