@@ -1,9 +1,10 @@
 """Llama / Qwen2 / Qwen3 against HF transformers over configurations test_llama_parity.py does not
-build: head dims 32/64/80/96/128 (explicit ones that differ from hidden / heads), MQA and MHA next
-to GQA, rope thetas far from 1e4, every accepted rope scaling type in a second form (yarn with
-mscale / attention_factor / betas / no truncation, dynamic in the legacy form, llama3 on a large
-head, linear below 1), tied heads, Qwen2's q/k/v bias, Qwen3's q/k norm with and without bias, and
-checkpoints stored in float16 and bfloat16.
+build: head dims 24/32/64/80/96/128/256 (explicit ones that differ from hidden / heads), MQA and
+MHA next to GQA and three query heads per kv head, rope thetas far from 1e4, every accepted rope
+scaling type in a second form (yarn with mscale / attention_factor / betas / no truncation,
+dynamic in the legacy form, llama3 on a large head, linear below 1), tied heads, Qwen2's q/k/v
+bias, Qwen3's q/k norm with and without bias, and checkpoints stored in float16 and bfloat16,
+computed in their own dtype.
 
 Each configuration runs two steps over one paged sequence: the prompt as one prefill, then HF's
 greedy continuation as a chunk that reads the prompt from the cache. Teacher-forced on HF's tokens,
@@ -140,6 +141,30 @@ CASES = {
             },
         ),
     ),
+    # Head dim 24 (no C++ kernel serves it: the jnp paths), eight heads of their own
+    "llama_mha8_hd24": (
+        "llama",
+        "float32",
+        dict(num_attention_heads=8, num_key_value_heads=8, head_dim=24),
+    ),
+    # Qwen3 MQA on head_dim 256, theta 1e7
+    "qwen3_mqa_hd256_theta1e7": (
+        "qwen3",
+        "float32",
+        dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256, rope_theta=1e7),
+    ),
+    # Three query heads per kv head, theta 500
+    "llama_g3_hd32_theta500": (
+        "llama",
+        "float32",
+        dict(
+            hidden_size=96,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=32,
+            rope_theta=500.0,
+        ),
+    ),
 }
 
 OPTIONS = ModelOptions(block_size=BLOCK)
@@ -151,9 +176,9 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
 
 
-def _our_logprobs(path: str, tokens: list[int]) -> np.ndarray:
+def _our_logprobs(path: str, tokens: list[int], dtype: str) -> np.ndarray:
     """Logprobs [len(tokens), vocab]: step 1 the prompt, step 2 the rest from the paged cache."""
-    graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype="float32"), OPTIONS)
+    graphdef, state = load_model(path, ModelConfig.from_pretrained(path, dtype=dtype), OPTIONS)
     model = nnx.merge(graphdef, state)
     kv = base.allocate(type(model).cache_specs(model.config, OPTIONS), BLOCKS + 1)
     table = tuple(range(1, BLOCKS + 1))
@@ -179,7 +204,7 @@ def results(tmp_path_factory):
         tokens = prompt + new
         # Row i predicts token i + 1; the last row predicts past the compared tokens.
         want = _log_softmax(hf_logits(hf, tokens))[:-1]
-        ours = _our_logprobs(path, tokens)[:-1]
+        ours = _our_logprobs(path, tokens, dtype)[:-1]
         out[name] = (dtype, tokens[1:], want, ours)
     return out
 
