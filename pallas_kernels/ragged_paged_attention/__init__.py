@@ -167,16 +167,17 @@ def ragged_paged_attention(
     if choice.impl == "reference" and not round_probabilities:
         return reference.ragged_paged_attention(*args, round_probabilities=False, **kwargs)
     fast = dict(kwargs, narrow_dots=narrow_dots)
-    if choice.impl == "reference" and decode_chunks:
-        if native.serves("decode", q, k_cache):
-            return native.decode(*args, **kwargs)
-        return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
-    # Every other step, causal or a prefix LM's, tiled or not (an image model's steps keep
-    # table-width buckets and no pair count): the native kernel serves any rows.
-    if choice.impl == "reference" and not decode_chunks and native.serves("prefill", q, k_cache):
-        return native.prefill(*args, **kwargs)
-    if choice.impl == "reference" and tile_chunks and prefix_lens is None:
-        return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
+    if choice.impl == "reference":
+        if decode_chunks:
+            if native.serves("decode", q, k_cache):
+                return native.decode(*args, **kwargs)
+            return decode.ragged_paged_decode(*args, num_chunks=decode_chunks, **fast)
+        # Every other step, causal or a prefix LM's, tiled or not (an image model's steps keep
+        # table-width buckets and no pair count): the native kernel serves any rows.
+        if native.serves("prefill", q, k_cache):
+            return native.prefill(*args, **kwargs)
+        if tile_chunks and prefix_lens is None:
+            return tiles.ragged_paged_tiles(*args, num_pairs=tile_chunks, **fast)
     return choice.fn(*args, **kwargs)
 
 

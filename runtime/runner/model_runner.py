@@ -120,8 +120,9 @@ def model_options(
     it also sets what this process computes bf16 operands in, before the model is built and
     traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py), with the
     dense weights kept bf16 until `choose_weight_dtype` says otherwise."""
-    head_dim = attention_head_dim(model_config, block_size)
+    head_dim = None  # read (from the family's cache specs) only where a choice depends on it
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
+        head_dim = attention_head_dim(model_config, block_size)
         compute.widen_bf16(cpu_bf16.host_choice(head_dim).compute_dtype == "float32")
     return ModelOptions(
         block_size=block_size,
