@@ -30,6 +30,11 @@ import jax.numpy as jnp
 
 _widen = False
 _wide_weights = False
+_activation_bytes: int | None = None
+# The fewest rows a part holds: each part reads the layer's weights again, and at 512 rows a dot
+# still does 256 flops per f32 weight byte, compute-bound on any CPU (the benchmark PaliGemma's
+# MLP: 33.5 us per row in 512-row parts against 31 in 2048-row ones).
+MIN_PART_ROWS = 512
 WIDEN_DOT_ROWS = 256  # the fewest rows a widened dot is faster at (module docstring)
 
 
@@ -56,6 +61,26 @@ def narrow_attention_dots(dtype) -> bool:
     bf16 dots. Measured on a 2-core AMX host, the benchmark Llama's bf16 prefill steps: 512-536
     against 646-665 ms; the whole offline run 14.3-14.9 against 15.4-16.3 s."""
     return jnp.dtype(dtype) == jnp.bfloat16 and not _widen
+
+
+def limit_activation_bytes(limit: int | None) -> None:
+    """From now on in this process, a layer that can compute its rows in parts (the gated MLP)
+    keeps each part's widest intermediate under `limit` bytes; None: every row at once. Set by
+    the runner on the CPU to the last-level cache size (runtime/runner/host_cache.py says why)."""
+    global _activation_bytes
+    _activation_bytes = limit
+
+
+def row_parts(rows: int, row_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) slices of `rows` rows (static), as few and as even as keep `row_bytes` per
+    row under the limit (`limit_activation_bytes`), but never under MIN_PART_ROWS; one slice
+    where there is no limit or it holds."""
+    limit = _activation_bytes
+    if limit is None or rows * row_bytes <= limit:
+        return [(0, rows)]
+    parts = -(-rows * row_bytes // limit)
+    size = max(-(-rows // parts), MIN_PART_ROWS)
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
 def weight_dtype(dtype):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from model.layers import compute
@@ -28,6 +29,14 @@ class GatedMLP(nnx.Module):
         self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        # Rows are independent: computed in parts where the [rows, 2 * intermediate] activation
+        # would outgrow the CPU's cache (compute.row_parts), each part's output the same.
+        parts = compute.row_parts(x.shape[0], 2 * self.intermediate * x.dtype.itemsize)
+        if len(parts) == 1:
+            return self._rows(x)
+        return jnp.concatenate([self._rows(x[start:stop]) for start, stop in parts])
+
+    def _rows(self, x: jax.Array) -> jax.Array:
         # Under tensor parallelism the fused columns are laid out per device (model/sharding.py).
         n = self.intermediate
         gate, up = split_fused(self.gate_up_proj(x), (n, n), group_size())

@@ -42,7 +42,7 @@ from pallas_kernels.platform import current_platform
 from pallas_kernels.ragged_paged_attention import decode as rpa_decode
 from runtime.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from runtime.multimodal.image_prompt import image_spec
-from runtime.runner import cpu_bf16, multihost, parallel, request_rows
+from runtime.runner import cpu_bf16, host_cache, multihost, parallel, request_rows
 from runtime.runner.cache_budget import CacheSize, plan_cache
 from runtime.runner.cache_budget import KVCacheSizeError as KVCacheSizeError  # raised from here
 from runtime.runner.encoder_path import EncoderPath
@@ -116,11 +116,14 @@ def cache_dtype(model_dtype: str, attention_backend: str, head_dim: int | None) 
 def model_options(
     model_config: ModelConfig, block_size: int, attention_backend: str
 ) -> ModelOptions:
-    """What the runner tells a family beside its checkpoint's config. For a bf16 model on the CPU
-    it also sets what this process computes bf16 operands in, before the model is built and
+    """What the runner tells a family beside its checkpoint's config. On the CPU it also sets the
+    most bytes one intermediate activation takes (the last-level cache: runner/host_cache.py),
+    and for a bf16 model there what this process computes bf16 operands in, before the model is built and
     traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py), with the
     dense weights kept bf16 until `choose_weight_dtype` says otherwise."""
     head_dim = None  # read (from the family's cache specs) only where a choice depends on it
+    if current_platform() == "cpu":
+        compute.limit_activation_bytes(host_cache.activation_limit())
     if model_config.dtype == "bfloat16" and current_platform() == "cpu":
         head_dim = attention_head_dim(model_config, block_size)
         compute.widen_bf16(cpu_bf16.host_choice(head_dim).compute_dtype == "float32")
