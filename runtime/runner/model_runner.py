@@ -118,9 +118,10 @@ def model_options(
 ) -> ModelOptions:
     """What the runner tells a family beside its checkpoint's config. On the CPU it also sets the
     most bytes one intermediate activation takes (the last-level cache: runner/host_cache.py),
-    and for a bf16 model there what this process computes bf16 operands in, before the model is built and
-    traced (per host, runner/cpu_bf16.py; the layers read it: model/layers/compute.py), with the
-    dense weights kept bf16 until `choose_weight_dtype` says otherwise."""
+    and for a bf16 model there what this process computes bf16 operands in, before the model is
+    built and traced (per host, runner/cpu_bf16.py; the layers read both:
+    model/layers/compute.py), with the dense weights kept bf16 until `choose_weight_dtype` says
+    otherwise."""
     head_dim = None  # read (from the family's cache specs) only where a choice depends on it
     if current_platform() == "cpu":
         compute.limit_activation_bytes(host_cache.activation_limit())
