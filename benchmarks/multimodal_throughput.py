@@ -11,9 +11,9 @@ new tokens (EOS ignored). Every prompt has the same length, so HF batches need n
 
 Both sides run float32 on this machine and preprocess the images themselves (vlax with its own
 Pillow + numpy path, HF with SiglipImageProcessorPil). vlax: one engine with its defaults (prefix
-caching on; chunked prefill off, as PaliGemma's prefix LM needs) but for max_num_seqs=256, vLLM's
-default for offline `LLM` runs (vlax's own default is 64; 256 lets the whole workload decode in one
-batch: 9% less time than 64 on the 2-core dev machine), the whole workload in one
+caching on; chunked prefill off, as PaliGemma's prefix LM needs; vLLM's offline-LLM batch limits
+on the CPU, 256 sequences and 4096 tokens a step, so the whole workload decodes in one batch:
+9% less time than 64 sequences on the 2-core dev machine), the whole workload in one
 `generate` call; it warms up first on the same workload shapes with other images (every batch
 shape compiled, the encoder cache left without the timed images). HF: `generate` over batches of
 16 in input order, with token_type_ids 0 over image and prompt (its prefix LM), warmed up on one
@@ -144,7 +144,7 @@ def workload(requests: int, images: int, seed: int):
 def run_vlax(path: str, pictures, prompts, warm_pictures):
     from vlax import LLM, SamplingParams
 
-    llm = LLM(path, dtype="float32", max_model_len=128, max_num_seqs=256)
+    llm = LLM(path, dtype="float32", max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
     def requests(images):

@@ -27,7 +27,8 @@ class EngineConfig:
     # "pooling" serves a generative checkpoint as an embedder, "generate" a pooling one's LM.
     runner: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    # None: vLLM 0.33's defaults for an offline LLM on this platform (runtime/engine_setup.py).
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -73,7 +74,8 @@ class EngineConfig:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
-        _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs is not None:
+            _positive("max_num_seqs", self.max_num_seqs)
         if (
             not isinstance(self.max_logprobs, int)
             or isinstance(self.max_logprobs, bool)

@@ -9,10 +9,11 @@ hold and the reason logged where a default is turned off.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model import base
 from model.config import ModelConfig, checkpoint_dtype
+from pallas_kernels.platform import current_platform
 from runtime.config import ConfigError, EngineConfig
 from runtime.multimodal.prefix_lm import prefix_lm_engine_config
 from runtime.pooling_schedule import pooling_engine_config
@@ -20,7 +21,11 @@ from runtime.runner.model_runner import model_cache_specs, model_options
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# vLLM 0.33's defaults for an offline LLM (EngineArgs.get_batch_defaults, UsageContext.LLM_CLASS):
+# (max_num_batched_tokens, max_num_seqs) per device of the model's world, by platform. For GPUs
+# vLLM takes 16384 / 1024 on cards of 70 GiB or more but the A100 (and on the largest); vlax
+# does not read a GPU's memory, so every GPU gets the tier vLLM gives the others.
+BATCH_DEFAULTS = {"cpu": (4096, 256), "gpu": (8192, 256)}
 # What async_scheduling=None (the default) means where nothing refuses it. Off: on the CPU the
 # "device" is the host's own cores, so the step's host work has no idle device time to hide in;
 # measured interleaved on the 2-core dev machine (vlax side of offline_throughput, float32, 16
@@ -69,11 +74,7 @@ def resolve(config: EngineConfig) -> EngineSetup:
                 f"max_seq_length={model_config.max_seq_length})"
             )
         raise ConfigError(f"max_model_len={max_model_len} exceeds the checkpoint's {cap}")
-    max_batched = config.max_num_batched_tokens or (
-        DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if config.enable_chunked_prefill
-        else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-    )
+    config, max_batched = _batch_limits(config, max_model_len)
     if not config.enable_chunked_prefill and max_batched < max_model_len:
         raise ConfigError(
             f"without chunked prefill max_num_batched_tokens={max_batched} must be at least "
@@ -87,6 +88,22 @@ def resolve(config: EngineConfig) -> EngineSetup:
         enable_prefix_caching=_prefix_caching(config, model_config),
         async_scheduling=_async_scheduling(config, model_config),
     )
+
+
+def _batch_limits(config: EngineConfig, max_model_len: int) -> tuple[EngineConfig, int]:
+    """`config` with max_num_seqs decided, and the token budget, as vLLM 0.33 decides them
+    (EngineArgs._set_default_max_num_seqs_and_batched_tokens_args): what is given stays; a
+    default is the platform's per device times tensor_parallel_size, then, without chunked
+    prefill, at least max_model_len, and never over max_num_seqs whole requests."""
+    platform = "cpu" if current_platform() == "cpu" else "gpu"
+    tokens, seqs = (n * config.tensor_parallel_size for n in BATCH_DEFAULTS[platform])
+    if config.max_num_seqs is None:
+        config = replace(config, max_num_seqs=seqs)
+    if config.max_num_batched_tokens is not None:
+        return config, config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        tokens = max(tokens, max_model_len)
+    return config, min(tokens, config.max_num_seqs * max_model_len)
 
 
 def _prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:

@@ -36,17 +36,19 @@ def add_engine_flags(p: argparse.ArgumentParser, pooling: bool = False) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=int,
-        default=64,
-        help="most inputs in one step" if pooling else "most requests in one step",
+        help=("most inputs in one step" if pooling else "most requests in one step")
+        + ", as vLLM's offline LLM (default: 256 per device)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help="most tokens in one step (default: 2048, and at least --max-model-len for a model "
-        "that computes each input whole)"
+        help="most tokens in one step (default: vLLM's for an offline LLM, 4096 per device on "
+        "the CPU and 8192 on GPUs, at least --max-model-len for a model that computes each "
+        "input whole, at most --max-num-seqs whole inputs)"
         if pooling
-        else "most tokens in one step (default: 2048; without chunked prefill, at least "
-        "--max-model-len)",
+        else "most tokens in one step (default: vLLM's for an offline LLM, 4096 per device on "
+        "the CPU and 8192 on GPUs; without chunked prefill at least --max-model-len; at most "
+        "--max-num-seqs whole requests)",
     )
     if not pooling:
         p.add_argument(

@@ -37,7 +37,7 @@ def test_help_shows_the_defaults_and_explains_the_output(capsys, monkeypatch):
     assert "most tokens per completion (default: 32)" in text
     assert "0 means greedy (always the most likely token)" in text
     for flag, default in [
-        ("--max-num-seqs", 64),
+        ("--max-num-seqs", "256 per device"),
         ("--block-size", 16),
         ("--dtype", "auto"),
         ("--top-p", 1.0),
