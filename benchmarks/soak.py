@@ -2,13 +2,13 @@
 
     python -m benchmarks.soak [--json] [--size full|ci] [--store host,mooncake] [--seed 0]
 
-The embedded default model (`LLM()` with no model), the priority policy with random priorities,
-a KV pool of a few requests' worth (admission and decode preempt often), requests arriving while
-others run, random prompt lengths and max_tokens, and random aborts of running, waiting,
-preempted and loading requests. Host offload goes through a `FaultyStore` around a real
-`HostStore` that fails a seeded fraction of its reads and writes; the `mooncake` variant goes
-through a real Mooncake pool (in a private network namespace, as root) whose master is killed
-with SIGKILL a third of the way in and restarted at half way.
+The embedded default model (`LLM()` with no model, in float32: `engine_args` says why), the
+priority policy with random priorities, a KV pool of a few requests' worth (admission and decode
+preempt often), requests arriving while others run, random prompt lengths and max_tokens, and
+random aborts of running, waiting, preempted and loading requests. Host offload goes through a
+`FaultyStore` around a real `HostStore` that fails a seeded fraction of its reads and writes; the
+`mooncake` variant goes through a real Mooncake pool (in a private network namespace, as root)
+whose master is killed with SIGKILL a third of the way in and restarted at half way.
 
 After each run it checks, and the JSON reports: every request got exactly one final output
 (finished or aborted, with a reason that fits); greedy and seeded requests that were not aborted
@@ -88,7 +88,14 @@ class CompileCounter:
 
 
 def engine_args(size: SoakSize) -> dict:
+    # float32, not the bfloat16 dtype="auto" gives the embedded model: the tokens are checked
+    # against a fault-free run, whose steps batch the requests otherwise. XLA:CPU's dots of other
+    # row counts sum in another order (~1e-6 relative, either dtype); a bf16 model rounds each
+    # result to bf16, which now and then turns that into a whole bf16 ulp and parts near-tied
+    # logits: one token of 40 requests, in one of four CI-size runs on an AVX512-BF16 host. In
+    # f32 the difference stays ~1e-6.
     return dict(
+        dtype="float32",
         max_model_len=size.max_model_len,
         block_size=size.block_size,
         num_kv_blocks=size.num_kv_blocks + 1,
