@@ -79,6 +79,20 @@ def quarter_step_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# From this many rows a decode step pads to quarter steps (160, 192, 224, 256, 320, ...), below it
+# to half steps: past it a step's dots cost enough that a fifth's padding at most beats the
+# third's, for two more shapes per doubling. Measured on the multimodal benchmark (200 requests
+# decoding together, 256 sequences a step): 200 rows ran as 224 instead of 256, 7.43 and 7.99 s
+# against 7.65 and 8.19 (vlax side, alternating).
+QUARTER_STEP_ROWS = 128
+
+
+def decode_row_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Half steps from lo below QUARTER_STEP_ROWS, quarter steps from it up to hi's bucket."""
+    half = set(half_step_buckets(lo, hi))
+    return tuple(b for b in quarter_step_buckets(lo, hi) if b in half or b >= QUARTER_STEP_ROWS)
+
+
 # (tokens, seqs, blocks per seq, live decode chunks or 0, live tile pairs or 0): a step's padded
 # shape, one compilation of the whole step each (BatchBuilder.shape).
 Shape = tuple[int, int, int, int, int]
@@ -132,17 +146,18 @@ class BatchBuilder:
         # bucketed in 1.5x steps (16, 24, 32, 48, 64, ...), not powers of two. Measured on the
         # offline benchmark's Llama, f32, one process alternating the two: a decode step of 40
         # rows 94.4 ms padded to 48 against 103.0 ms padded to 64; of 20 rows 64.3 against 71.0.
-        self.seq_buckets = half_step_buckets(min(8, max_num_seqs), max_num_seqs)
+        # From QUARTER_STEP_ROWS rows, quarter steps.
+        self.seq_buckets = decode_row_buckets(min(8, max_num_seqs), max_num_seqs)
         # Past max_num_seqs tokens a step holds a prompt or chunk: quarter steps there (padding at
         # most a fifth, for a few more prefill shapes), as its padded rows cost what its dots and
         # MLP cost. Measured on the multimodal benchmark (f32, 200 requests in rounds of 64): the
         # third step of each round, 1042 tokens, ran padded to 1536; at 1280 the whole run took
         # 7.88-8.31 s against 8.49-8.65 (three runs each). Decode shapes are unchanged.
-        half = set(half_step_buckets(16, max_num_batched_tokens))  # a subset of the quarter steps
+        decode = set(decode_row_buckets(16, max_num_batched_tokens))  # within the quarter steps
         self.token_buckets = tuple(
             b
             for b in quarter_step_buckets(16, max_num_batched_tokens)
-            if b > max_num_seqs or b in half
+            if b > max_num_seqs or b in decode
         )
         # The table width bounds the context every sequence gathers; bucketing it to the batch's
         # longest context (at least MIN_CONTEXT_BUCKET tokens) keeps short-context steps from

@@ -58,6 +58,12 @@ def test_decode_rows_pad_to_half_steps_not_powers_of_two():
         (10, 16, 12),
     ):
         assert bb.shape([1] * rows, [100] * rows)[:2] == (tokens, seqs), rows
+    # From 128 rows, quarter steps: 200 rows run as 224, not 256.
+    wide = BatchBuilder(
+        block_size=16, max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=4096
+    )
+    for rows, padded in ((200, 224), (129, 160), (193, 224), (225, 256), (100, 128), (70, 96)):
+        assert wide.shape([1] * rows, [100] * rows)[:2] == (padded, padded), rows
 
 
 def test_prompt_steps_pad_to_quarter_steps_past_max_num_seqs():
