@@ -1,5 +1,5 @@
 """The CPU's last-level cache size, read once at start-up: the most bytes of one intermediate
-activation a layer computes at once on the CPU (model/layers/compute.py `limit_rows`).
+activation a layer computes at once on the CPU (model/layers/compute.py `row_parts`).
 
 Measured on the 2-core AMD EPYC dev host (32 MiB L3, glibc keeping freed buffers mapped as the
 engine runs): the benchmark PaliGemma's gated MLP (hidden 512, intermediate 2048) costs 31 us

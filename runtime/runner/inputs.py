@@ -152,7 +152,8 @@ class BatchBuilder:
         # most a fifth, for a few more prefill shapes), as its padded rows cost what its dots and
         # MLP cost. Measured on the multimodal benchmark (f32, 200 requests in rounds of 64): the
         # third step of each round, 1042 tokens, ran padded to 1536; at 1280 the whole run took
-        # 7.88-8.31 s against 8.49-8.65 (three runs each). Decode shapes are unchanged.
+        # 7.88-8.31 s against 8.49-8.65 (three runs each). Decode-sized steps keep the decode rows'
+        # buckets.
         decode = set(decode_row_buckets(16, max_num_batched_tokens))  # within the quarter steps
         self.token_buckets = tuple(
             b
