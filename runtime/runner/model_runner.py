@@ -125,9 +125,9 @@ def model_options(
     head_dim = None  # read (from the family's cache specs) only where a choice depends on it
     if current_platform() == "cpu":
         compute.limit_activation_bytes(host_cache.activation_limit())
-    if model_config.dtype == "bfloat16" and current_platform() == "cpu":
-        head_dim = attention_head_dim(model_config, block_size)
-        compute.widen_bf16(cpu_bf16.host_choice(head_dim).compute_dtype == "float32")
+        if model_config.dtype == "bfloat16":
+            head_dim = attention_head_dim(model_config, block_size)
+            compute.widen_bf16(cpu_bf16.host_choice(head_dim).compute_dtype == "float32")
     return ModelOptions(
         block_size=block_size,
         cache_dtype=cache_dtype(model_config.dtype, attention_backend, head_dim),
