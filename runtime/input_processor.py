@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from model.config import ModelConfig
 from runtime.config import ConfigError
 from runtime.core.request import Request, SamplingParams
+from runtime.multimodal.image_processor import PreprocessMemo
 from runtime.multimodal.image_prompt import (
     ImagePrompt,
     build_image_prompt,
@@ -175,9 +176,12 @@ class InputProcessor:
             f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}"
         )
 
-    def image_prompt(self, prompt: object, own: str) -> tuple[str | None, ImagePrompt]:
+    def image_prompt(
+        self, prompt: object, own: str, memo: PreprocessMemo | None = None
+    ) -> tuple[str | None, ImagePrompt]:
         """`prompt_inputs` for a prompt that may carry multi_modal_data: its text and its token
-        ids with its images' placeholders (an image model's text prompt gets its '\\n')."""
+        ids with its images' placeholders (an image model's text prompt gets its '\\n'); `memo`
+        holds what its batch's earlier prompts preprocessed."""
         images = []
         if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
             images = images_of(prompt["multi_modal_data"], own)
@@ -193,7 +197,7 @@ class InputProcessor:
             # HF's PaliGemma processor ends every prefix with "\n" (and vLLM's does the same).
             prompt = prompt if prompt.endswith("\n") else prompt + "\n"
         text, ids = self.prompt_inputs(prompt)
-        return text, build_image_prompt(spec, own, ids, images)
+        return text, build_image_prompt(spec, own, ids, images, memo)
 
     def process(
         self,

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from model.config import ModelConfig
 from runtime.core.request import PoolingParams, Request
 from runtime.input_processor import ProcessedRequest
+from runtime.multimodal.image_processor import PreprocessMemo
 from runtime.multimodal.image_prompt import ImagePrompt, build_image_prompt, image_spec, images_of
 from runtime.tokenizer import Tokenizer
 
@@ -187,10 +188,15 @@ class PoolingInputProcessor:
         return ProcessedRequest(request_id, prompt, ids, params, (request,), pixels)
 
     def image_prompt(
-        self, prompt: object, params: PoolingParams, own: str
+        self,
+        prompt: object,
+        params: PoolingParams,
+        own: str,
+        memo: PreprocessMemo | None = None,
     ) -> tuple[str | None, ImagePrompt]:
         """`prompt_ids` for an image model's prompt (it may carry multi_modal_data): its
-        images' placeholders go first; truncation must not cut into them."""
+        images' placeholders go first; truncation must not cut into them. `memo` holds what its
+        batch's earlier prompts preprocessed."""
         images = []
         if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
             images = images_of(prompt["multi_modal_data"], own)
@@ -206,7 +212,7 @@ class PoolingInputProcessor:
             # PaliGemma's processor ends every prefix with "\n" (ColPali's too).
             prompt += "\n"
         text, ids = self.prompt_ids(prompt, params)
-        built = build_image_prompt(self.image_spec, own, ids, images)
+        built = build_image_prompt(self.image_spec, own, ids, images, memo)
         keep = self.truncation(params)
         if keep is not None and len(built.token_ids) > keep:
             raise ValueError(

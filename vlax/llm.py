@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from runtime.config import EngineConfig
 from runtime.core.request import PoolingParams, SamplingParams
 from runtime.engine import Engine
+from runtime.multimodal.image_processor import PreprocessMemo
 from runtime.pooling_outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -117,11 +118,14 @@ class LLM:
         params_list = arguments.per_prompt_params(sampling_params, len(prompts))
         engine = self.engine
         batch = []
+        memo = PreprocessMemo()  # a picture given in many prompts is preprocessed once
         for prompt, params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._ids))
             # A prompt dict may carry {"multi_modal_data": {"image": ...}}: its placeholders go
             # into the token ids, its pixels to the runner.
-            text, built = engine.input_processor.image_prompt(prompt, f"request {request_id!r}")
+            text, built = engine.input_processor.image_prompt(
+                prompt, f"request {request_id!r}", memo
+            )
             batch.append(
                 engine.process_request(
                     request_id, built.token_ids, params, prompt=text, images=built

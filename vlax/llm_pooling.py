@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 
 from runtime.core.request import PoolingParams
+from runtime.multimodal.image_processor import PreprocessMemo
 from runtime.multimodal.image_prompt import is_multi_vector
 from runtime.pooling_outputs import (
     ClassificationRequestOutput,
@@ -57,6 +58,7 @@ def run_pooling(
     items = pairs if pairs is not None else _prompt_list(prompts)
     params_list = _per_prompt(pooling_params, len(items))
     batch = []
+    memo = PreprocessMemo()  # a picture given in many prompts is preprocessed once
     for item, params in zip(items, params_list, strict=True):
         if truncate_prompt_tokens is not None:
             params = replace(
@@ -65,7 +67,7 @@ def run_pooling(
         params = pooling.resolve(params, task)
         images = None
         if pairs is None and (pooling.image_spec is not None or _has_images(item)):
-            text, images = pooling.image_prompt(item, params, f"prompt {len(batch)}")
+            text, images = pooling.image_prompt(item, params, f"prompt {len(batch)}", memo)
             ids = images.token_ids
         elif pairs is None:
             text, ids = pooling.prompt_ids(item, params)

@@ -146,6 +146,32 @@ def _to_rgb(pil: Image.Image) -> Image.Image:
     return pil.convert("RGB")
 
 
+class PreprocessMemo:
+    """Each image object of one batch of prompts, preprocessed and hashed once: a picture asked
+    many questions (the same object in many prompts) costs one preprocess, not one a prompt.
+
+    Keyed by the object's identity, holding the object so no id is reused while the memo lives.
+    A memo lives for one batch, read whole before any of it runs, so nothing changes an image
+    between two of its prompts; a new batch starts a new memo (the caller may change its images
+    between calls).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, ImageProcessorConfig], tuple[object, np.ndarray, str]] = {}
+
+    def get(self, config: ImageProcessorConfig, image: object, what: str) -> tuple[np.ndarray, str]:
+        """(float32 [3, height, width] pixels, their content hash) of `image` under `config`."""
+        key = (id(image), config)
+        seen = self._seen.get(key)
+        if seen is not None:
+            return seen[1], seen[2]
+        pixels = preprocess(config, image, what)
+        pixels.flags.writeable = False  # shared by every prompt that gave the object
+        digest = content_hash(pixels)
+        self._seen[key] = (image, pixels, digest)
+        return pixels, digest
+
+
 def content_hash(pixels: np.ndarray) -> str:
     """The hex sha256 of preprocessed pixels (their shape first, so no two shapes collide)."""
     digest = hashlib.sha256(b"vlax.image.v1\x00")

@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.core.request import MultiModalInput
-from runtime.multimodal.image_processor import (
-    ImageError,
-    ImageProcessorConfig,
-    content_hash,
-    preprocess,
-)
+from runtime.multimodal.image_processor import ImageError, ImageProcessorConfig, PreprocessMemo
 
 # Architectures whose config describes a vision tower in PaliGemma's layout; the nested key that
 # holds the PaliGemma config (ColPali wraps one).
@@ -103,9 +98,14 @@ def images_of(multi_modal_data: object, own: str) -> list:
 
 
 def build_image_prompt(
-    spec: ImageSpec | None, own: str, token_ids: Sequence[int], images: list
+    spec: ImageSpec | None,
+    own: str,
+    token_ids: Sequence[int],
+    images: list,
+    memo: PreprocessMemo | None = None,
 ) -> ImagePrompt:
-    """Placeholders for `images` in `token_ids` (a text prompt's already carry BOS and '\\n')."""
+    """Placeholders for `images` in `token_ids` (a text prompt's already carry BOS and '\\n');
+    `memo` holds the images its batch preprocessed so far (a one-prompt memo without it)."""
     ids = tuple(token_ids)
     if spec is None:
         if images:
@@ -129,18 +129,18 @@ def build_image_prompt(
             f"{spec.num_image_tokens} per image, all at the start of the prompt"
         )
     ids = (placeholder,) * n + ids[leading:]
+    if memo is None:
+        memo = PreprocessMemo()
     pixels, items = [], []
     for k, image in enumerate(images):
         try:
-            values = preprocess(spec.processor, image, f"{own}: image {k}")
+            values, digest = memo.get(spec.processor, image, f"{own}: image {k}")
         except ImageError:
             raise
         except Exception as err:  # Pillow's own errors on a broken image
             raise ImageError(f"{own}: image {k} cannot be read ({err})") from None
         pixels.append(values)
-        items.append(
-            MultiModalInput(content_hash(values), k * spec.num_image_tokens, spec.num_image_tokens)
-        )
+        items.append(MultiModalInput(digest, k * spec.num_image_tokens, spec.num_image_tokens))
     return ImagePrompt(ids, tuple(items), tuple(pixels))
 
 

@@ -15,6 +15,7 @@ from runtime.core.scheduling.scheduler_state import hash_extras
 from runtime.multimodal.image_processor import (
     ImageError,
     ImageProcessorConfig,
+    PreprocessMemo,
     content_hash,
     preprocess,
 )
@@ -206,3 +207,34 @@ def test_block_hashes_take_the_image_and_the_whole_prompt():
     assert first == hashes(a.copy(), text)
     assert not set(first) & set(hashes(b, text))
     assert not set(first) & set(hashes(a, text[:-1] + [99]))
+
+
+def test_a_picture_in_many_prompts_of_a_batch_is_preprocessed_once(monkeypatch):
+    """One memo per batch: the same image object in several prompts is preprocessed and hashed
+    once, and every prompt gets the same pixels and hash as preprocessing it alone gives; another
+    object with the same content is preprocessed again and hashes alike."""
+    import runtime.multimodal.image_processor as image_processor
+
+    spec = _spec()
+    rng = np.random.default_rng(5)
+    picture = rng.integers(0, 256, (30, 50, 3), dtype=np.uint8)
+    calls = []
+    real = image_processor.preprocess
+
+    def counting(config, image, what="image"):
+        calls.append(what)
+        return real(config, image, what)
+
+    monkeypatch.setattr(image_processor, "preprocess", counting)
+    memo = PreprocessMemo()
+    built = [build_image_prompt(spec, f"request '{k}'", [2, 7], [picture], memo) for k in range(4)]
+    assert calls == ["request '0': image 0"]
+    alone = real(spec.processor, picture)
+    for b in built:
+        np.testing.assert_array_equal(b.pixel_values[0], alone)
+        assert b.mm_inputs[0].content_hash == content_hash(alone)
+    copy = build_image_prompt(spec, "request '4'", [2], [picture.copy()], memo)
+    assert len(calls) == 2 and copy.mm_inputs == built[0].mm_inputs
+    # Without a memo, each call preprocesses.
+    build_image_prompt(spec, "request '5'", [2], [picture])
+    assert len(calls) == 3

@@ -110,3 +110,31 @@ def test_images_are_kept_once_per_hash_while_an_admission_holds_them(path):
     path.end_step(_output(finished_req_ids=("q",)))
     assert "O" not in path.pixels
     path.end_step(_output(finished_req_ids=("never admitted",)))  # nothing to release
+
+
+def test_the_vision_batch_pads_at_most_a_fifth(path, monkeypatch):
+    """The vision tower's cost is its padded batch's: 20 images ran as 32 under power-of-two
+    padding (the multimodal benchmark's 20 distinct images)."""
+    import runtime.runner.encoder_path as encoder_path
+
+    batches = []
+    real = encoder_path._encode
+
+    def recording(graphdef, params, pixels):
+        batches.append(pixels.shape[0])
+        return real(graphdef, params, pixels)
+
+    monkeypatch.setattr(encoder_path, "_encode", recording)
+    rng = np.random.default_rng(3)
+    for n, padded in ((3, 3), (9, 10), (20, 20), (33, 40)):
+        hashes = [f"pad{n}-{k}" for k in range(n)]
+        items = {h: (MultiModalInput(h, 0, N),) for h in hashes}
+        for h in hashes:
+            pixels = rng.standard_normal((3, IMAGE_SIZE, IMAGE_SIZE)).astype(np.float32)
+            path.add_request(h, items[h], (pixels,))
+        count = path.num_encoded
+        path.encode({h: (0,) for h in hashes}, items)
+        assert batches[-1] == padded, (n, batches)
+        assert path.num_encoded == count + n
+        assert all(path.outputs[h].shape == (N, path.hidden) for h in hashes)
+        path.end_step(_output(finished_req_ids=tuple(hashes), free_encoder_hashes=tuple(hashes)))
