@@ -286,6 +286,7 @@ class InputProcessor:
         self._check_ids(own, "stop_token_ids holds token id", params.stop_token_ids)
         self._check_ids(own, "logit_bias holds token id", [t for t, _ in params.logit_bias or ()])
         self._check_ids(own, "allowed_token_ids holds token id", params.allowed_token_ids or ())
+        self._check_ids(own, "logprob_token_ids holds token id", params.logprob_token_ids or ())
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             count = vocab if value == -1 else value  # -1: every token, as in vLLM

@@ -72,7 +72,7 @@ class OutputProcessor:
                 else IncrementalDetokenizer(self.tokenizer, params, processed.prompt_token_ids)
             )
             self.samples[child.request_id] = _Sample(
-                parent, index, detokenizer, None if params.logprobs is None else []
+                parent, index, detokenizer, None if params.num_logprobs is None else []
             )
 
     def has_request(self, request_id: str) -> bool:
@@ -241,10 +241,10 @@ class OutputProcessor:
             entry.token_ids, entry.logprobs, entry.sampled_token_ranks, strict=True
         ):
             pos: PositionLogprobs = {}
-            # Column 0 is the sampled (or actual next) token, then the top-k in rank order.
+            # Column 0 is the sampled (or actual next) token, then the top-k in rank order (or
+            # the request's logprob_token_ids, ranked 1..n by their place). A token in both keeps
+            # its later column's rank, as vLLM's dict of the columns does.
             for col, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
-                if tid in pos:
-                    continue
                 decoded = (
                     None
                     if self.tokenizer is None or not decode

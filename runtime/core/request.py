@@ -28,6 +28,8 @@ _GREEDY_EPS = 1e-5
 # (below it the scaled logits may overflow to inf / NaN), so only 0 itself samples greedily.
 MAX_TEMPERATURE = 2.0
 MIN_SAMPLING_TEMPERATURE = 0.01
+# vLLM's bound on logprob_token_ids (MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 def _is_int(value: object) -> bool:
@@ -93,6 +95,10 @@ class SamplingParams:
     # its blocks to the cache). None: only when prompt logprobs are asked for, as in vLLM (a hit
     # would skip the positions whose logprobs must be returned). `Request` resolves it.
     skip_reading_prefix_cache: bool | None = None
+    # vLLM's logprob_token_ids: each position's logprobs are the sampled token's and these ids'
+    # (in this order, ranked 1..n as vLLM ranks them), in place of the top-k; `logprobs`, if
+    # also given, must equal their count. The input processor resolves logprobs to the count.
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         own = "SamplingParams"
@@ -163,6 +169,8 @@ class SamplingParams:
             set_(self, "bad_words", _words(self.bad_words))
         if self.bad_words_token_ids is not None:
             set_(self, "bad_words_token_ids", _word_ids(self.bad_words_token_ids, self.bad_words))
+        if self.logprob_token_ids is not None:
+            self._check_logprob_token_ids(own)
         skip = self.skip_reading_prefix_cache
         if skip is not None and not isinstance(skip, bool):
             raise _bad(own, "skip_reading_prefix_cache", skip, "a bool or None")
@@ -177,9 +185,37 @@ class SamplingParams:
                 "position must be computed to return its logprob)",
             )
 
+    def _check_logprob_token_ids(self, own: str) -> None:
+        ids = _int_tuple(own, "logprob_token_ids", self.logprob_token_ids)
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise _bad(
+                own,
+                "logprob_token_ids",
+                f"<{len(ids)} ids>",
+                f"at most {MAX_LOGPROB_TOKEN_IDS} ids",
+            )
+        if self.logprobs is not None and self.logprobs != len(ids):
+            # vLLM's rule: both name how many logprobs each position returns.
+            raise _bad(
+                own,
+                "logprobs",
+                self.logprobs,
+                f"None or len(logprob_token_ids)={len(ids)} when logprob_token_ids is given",
+            )
+        # An empty list asks for nothing, as in vLLM (its num_logprobs is then None).
+        object.__setattr__(self, "logprob_token_ids", ids or None)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprobs returned per output position besides the sampled token's: `logprobs`, else
+        the number of logprob_token_ids (vLLM's num_logprobs)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
 
 def _normalise_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -377,9 +377,9 @@ class ModelRunner:
         k = logprobs_bucket(
             max(
                 (
-                    r.sampling_params.logprobs
+                    r.sampling_params.num_logprobs
                     for r in sampling
-                    if r.sampling_params.logprobs is not None
+                    if r.sampling_params.num_logprobs is not None
                 ),
                 default=None,
             ),
@@ -493,7 +493,7 @@ class ModelRunner:
         ids, vals, ranks = map(np.asarray, (out.logprob_token_ids, out.logprobs, out.ranks))
         entries = {}
         for i, row in enumerate(sampling):
-            n = row.sampling_params.logprobs
+            n = row.sampling_params.num_logprobs
             if n is None:
                 continue
             entries[row.req_id] = LogprobsEntry(

@@ -21,7 +21,8 @@ from runtime.runner.sampling_metadata import SamplingMetadata
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     """token_ids[R]; with logprobs requested, column 0 of the [R, k+1] arrays is the sampled token
-    and columns 1..k the top-k; `ranks` is the sampled token's 1-based rank (ties count as ahead)."""
+    and columns 1..k the top-k (a row with logprob_token_ids: those ids, in their order); `ranks`
+    is the sampled token's 1-based rank (ties count as ahead)."""
 
     token_ids: jax.Array
     logprob_token_ids: jax.Array | None = None
@@ -204,4 +205,21 @@ def sample(
     if raw_logprobs is None:
         return SamplerOutput(token_ids=token_ids)
     ids, values, ranks = gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+    ids, values = _listed_logprobs(raw_logprobs, ids, values, metadata)
     return SamplerOutput(token_ids, ids, values, ranks)
+
+
+def _listed_logprobs(
+    raw_logprobs: jax.Array, ids: jax.Array, values: jax.Array, metadata: SamplingMetadata
+) -> tuple[jax.Array, jax.Array]:
+    """`ids` and `values` [R, k+1] with columns 1.. of each row that lists logprob_token_ids
+    holding those ids and their raw logprobs (a request's list is never longer than its k)."""
+    k = ids.shape[1] - 1
+    listed = metadata.logprob_ids[:, :k]
+    if listed.shape[1] < k:
+        listed = jnp.pad(listed, ((0, 0), (0, k - listed.shape[1])))
+    use = jnp.any(metadata.logprob_ids_valid > 0, axis=-1)[:, None]
+    listed_values = jnp.take_along_axis(raw_logprobs, listed, axis=-1)
+    ids = ids.at[:, 1:].set(jnp.where(use, listed, ids[:, 1:]))
+    values = values.at[:, 1:].set(jnp.where(use, listed_values, values[:, 1:]))
+    return ids, values

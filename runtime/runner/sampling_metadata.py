@@ -88,6 +88,10 @@ class SamplingMetadata:
     allowed_valid: np.ndarray  # f32[R, A]
     bias_ids: np.ndarray  # i32[R, B]
     bias_values: np.ndarray  # f32[R, B], 0 on padding
+    # logprob_token_ids: a row with any valid entry returns these ids' logprobs, in this order,
+    # in place of its top-k.
+    logprob_ids: np.ndarray  # i32[R, L]
+    logprob_ids_valid: np.ndarray  # f32[R, L]
     vocab_size: int = field(metadata={"static": True})
     all_greedy: bool = field(metadata={"static": True})
     needs_penalties: bool = field(metadata={"static": True})
@@ -298,6 +302,11 @@ def make_sampling_metadata(
         allowed = [p.allowed_token_ids or () for p in params]
     else:
         allowed = []
+    listed = (
+        [p.logprob_token_ids or () for p in params]
+        if any(p.logprob_token_ids for p in distinct)
+        else []
+    )
 
     needs_penalties = bool(
         np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
@@ -317,12 +326,16 @@ def make_sampling_metadata(
         ("stop_token_ids", stops),
         ("bad_words_token_ids", bans),
         ("allowed_token_ids", allowed),
+        ("logprob_token_ids", listed),
     ):
         if any(lists):
             _check_lists(what, rows, lists, vocab_size)
     masked_ids, masked_valid = _pad_rows(masked, num_rows, _width(max(map(len, masked), default=0)))
     allowed_ids, allowed_valid = _pad_rows(
         allowed, num_rows, _width(max(map(len, allowed), default=0))
+    )
+    logprob_ids, logprob_ids_valid = _pad_rows(
+        listed, num_rows, _width(max(map(len, listed), default=0))
     )
     bias_ids, bias_valid = _pad_rows(
         [[t for t, _ in b] for b in biases], num_rows, _width(max(map(len, biases), default=0))
@@ -353,6 +366,8 @@ def make_sampling_metadata(
         allowed_valid=allowed_valid,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        logprob_ids=logprob_ids,
+        logprob_ids_valid=logprob_ids_valid,
         vocab_size=vocab_size,
         all_greedy=not sampling.any(),
         needs_penalties=needs_penalties,

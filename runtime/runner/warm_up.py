@@ -103,7 +103,7 @@ def sampler_key(runner, sampling_params) -> tuple:
     logprobs width. Two params with the same key share the step's programs."""
     metadata = _metadata(runner, sampling_params, 1)
     return (
-        logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size),
+        logprobs_bucket(sampling_params.num_logprobs, runner.model_config.vocab_size),
         metadata.all_greedy,
         metadata.needs_penalties,
         metadata.needs_top_k_top_p,
@@ -131,7 +131,7 @@ def precompile(
     `compiles_up_front` accepts (the caller asks first, before it plans any shape)."""
     from runtime.runner.model_runner import _step
 
-    k = logprobs_bucket(sampling_params.logprobs, runner.model_config.vocab_size)
+    k = logprobs_bucket(sampling_params.num_logprobs, runner.model_config.vocab_size)
     for shape in shapes:
         batch = ModelBatch(
             **padding_batch(runner.builder, shape), decode_chunks=shape[3], tile_chunks=shape[4]

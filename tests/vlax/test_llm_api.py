@@ -73,6 +73,48 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
         assert tok in pos
 
 
+def test_logprob_token_ids_return_those_ids_in_place_of_the_top_k(llm):
+    """vLLM's logprob_token_ids: each position holds the sampled token and exactly the listed ids
+    (their raw logprobs, ranked 1..n by their place in the list, a listed sampled token too), in a
+    batch beside a top-k request and one without logprobs, none of whose tokens change."""
+    prompt = "The capital of France is"
+    kw = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    (top,) = llm.generate([prompt], SamplingParams(**kw, logprobs=20), use_tqdm=False)
+    top = top.outputs[0]
+    first = sorted(top.logprobs[0].items(), key=lambda item: item[1].rank)
+    # Listed: the 8th, the sampled (1st) and the 16th most likely first tokens.
+    listed = [first[7][0], top.token_ids[0], first[15][0]]
+    mixed = llm.generate(
+        [prompt, prompt, prompt],
+        [
+            SamplingParams(**kw, logprob_token_ids=listed),
+            SamplingParams(**kw, logprobs=3),
+            SamplingParams(**kw),
+        ],
+        use_tqdm=False,
+    )
+    assert all(o.outputs[0].token_ids == top.token_ids for o in mixed)
+    c = mixed[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids)
+    for k, (tok, pos) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        assert set(pos) == {tok, *listed}
+        for place, t in enumerate(listed, 1):
+            assert pos[t].rank == place
+            if t in top.logprobs[k]:
+                assert pos[t].logprob == pytest.approx(top.logprobs[k][t].logprob, abs=1e-5)
+        if tok not in listed:
+            assert pos[tok].rank == 1  # greedy: the sampled token's own rank
+    assert c.cumulative_logprob == pytest.approx(top.cumulative_logprob, abs=1e-4)
+    assert len(mixed[1].outputs[0].logprobs[0]) in (3, 4) and mixed[2].outputs[0].logprobs is None
+    with pytest.raises(
+        ValueError, match="logprobs=2: expected None or len\\(logprob_token_ids\\)=3"
+    ):
+        SamplingParams(logprobs=2, logprob_token_ids=listed)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"logprob_token_ids holds token id {vocab}, outside"):
+        llm.generate([prompt], SamplingParams(logprob_token_ids=[1, vocab]), use_tqdm=False)
+
+
 def test_detokenize_false_gives_token_ids_only(llm):
     """vLLM's detokenize=False: the same tokens, text "" and no decoded logprob tokens; stop
     strings (matched on the text) are refused with it."""
