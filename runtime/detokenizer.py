@@ -61,6 +61,13 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         # decode(skip_special_tokens=True) drops these before decoding: the window can too.
         self._skipped = tokenizer.all_special_ids if self._skip_special else frozenset()
+        # vLLM's FastIncrementalDetokenizer under spaces_between_special_tokens=False (and
+        # skip_special_tokens=False): an added token right after another added token emits its
+        # own text, without the space the decoder puts between them (WordPiece's "[CLS] [SEP]").
+        # Its output text then differs from decode(ids), as vLLM's does.
+        raw = not self._skip_special and not params.spaces_between_special_tokens
+        self._added = tokenizer.added_token_contents if raw else None
+        self._after_added = False
         self._stop = tuple(params.stop)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -127,7 +134,13 @@ class IncrementalDetokenizer:
             if token in self._skipped:
                 continue
             self._window.append(token)
-            self.output_text += self._next_text(flush=False)
+            text = self._next_text(flush=False)
+            if self._added:
+                content = self._added.get(token)
+                if content is not None and self._after_added:
+                    text = content
+                self._after_added = content is not None
+            self.output_text += text
             if self.num_tokens <= self._min_tokens:
                 check_from = len(self.output_text)
         if finished or stop_terminated:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import immutables
@@ -63,11 +64,16 @@ class Tokenizer:
     # Read once: every request's detokenizer asks, and the backend builds its added-token table
     # anew on each call (~130 us with Llama 3's 256 special tokens).
     all_special_ids: frozenset[int] = field(init=False, repr=False, compare=False)
+    # Every added token's text by id (special or not): detokenizers under
+    # spaces_between_special_tokens=False emit these as they are.
+    added_token_contents: Mapping[int, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         added = self.backend.get_added_tokens_decoder()
         special = frozenset(i for i, t in added.items() if t.special)
         object.__setattr__(self, "all_special_ids", special)
+        contents = MappingProxyType({i: t.content for i, t in added.items()})
+        object.__setattr__(self, "added_token_contents", contents)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:

@@ -76,6 +76,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # With skip_special_tokens=False, whether the text puts the decoder's spaces between added
+    # tokens ("[CLS] [SEP]") or, False, writes one right after another ("[CLS][SEP]").
+    spaces_between_special_tokens: bool = True
     # vLLM's detokenize: False leaves the output text "" and every logprob's decoded_token None
     # (token ids only), and takes no stop strings (they are matched on the text).
     detokenize: bool = True
@@ -145,6 +148,7 @@ class SamplingParams:
             "include_stop_str_in_output",
             "ignore_eos",
             "skip_special_tokens",
+            "spaces_between_special_tokens",
             "detokenize",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -169,3 +169,58 @@ def test_a_run_that_never_completes_a_character_costs_linear_work(tok):
             assert d.output_text == tok.decode(seq), name
             per_token = counting.ids_decoded / len(seq)
             assert per_token < 100, f"{name}: {per_token:.0f} ids decoded per token"
+
+
+def _vllm_fast_text(tok, ids, skip, spaces):
+    """vLLM 0.33 FastIncrementalDetokenizer's text: tokenizers' DecodeStream step by step, and
+    under spaces_between_special_tokens=False an added token right after another emitted as its
+    own content."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=skip)
+    raw = not (skip or spaces)
+    text, after_added = "", False
+    for i in ids:
+        piece = stream.step(tok.backend, i) or ""
+        if raw:
+            content = tok.added_token_contents.get(i)
+            if content is not None and after_added:
+                piece = content
+            after_added = content is not None
+        text += piece
+    return text
+
+
+def test_spaces_between_special_tokens_as_vllm(tok):
+    """vLLM's spaces_between_special_tokens on WordPiece (MiniLM, whose decoder spaces every
+    token: "[CLS] [SEP]") and byte-level BPE (the default checkpoint): the text equals vLLM's fast
+    detokenizer rule over tokenizers' DecodeStream, for runs of added tokens, added tokens among
+    words, and either flag."""
+    from benchmarks.embed_throughput import minilm_path
+
+    wordpiece = Tokenizer.from_pretrained(minilm_path())
+    cls, sep, mask = 101, 102, 103
+    hello = wordpiece.encode("hello world", add_special_tokens=False)
+    cases = {
+        wordpiece: [
+            [cls, sep, mask, *hello, sep, sep],
+            [*hello, cls, cls, *hello, mask],
+            [sep],
+        ],
+        tok: [[*tok.encode("hi there", add_special_tokens=False), *sorted(tok.all_special_ids)]],
+    }
+    for tokenizer, sequences in cases.items():
+        for ids in sequences:
+            for skip in (True, False):
+                for spaces in (True, False):
+                    params = SamplingParams(
+                        skip_special_tokens=skip, spaces_between_special_tokens=spaces
+                    )
+                    d, _ = _stream(tokenizer, params, ids)
+                    want = _vllm_fast_text(tokenizer, ids, skip, spaces)
+                    assert d.output_text == want, (ids, skip, spaces)
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    d, _ = _stream(wordpiece, params, [cls, sep, mask, *hello, sep, sep])
+    assert d.output_text == "[CLS][SEP][MASK] hello world [SEP][SEP]"
+    with pytest.raises(ValueError, match="spaces_between_special_tokens=1: expected a bool"):
+        SamplingParams(spaces_between_special_tokens=1)
