@@ -22,9 +22,12 @@ Building (class level; nothing here needs the weights)
 Running (the runner calls these through the pure `forward` / `compute_logits` of this module,
 jitted, with the weights as arguments and the caches donated)
 
-  `model(caches, batch: ModelBatch) -> (caches, hidden [T, hidden_size])`
+  `model(caches, batch: ModelBatch, rows=None) -> (caches, hidden [T, hidden_size])`
       One step over a ragged batch (model/batch.py): writes this step's cache entries through the
-      batch's slot mapping and returns the final hidden state of every token.
+      batch's slot mapping and returns the final hidden state of every token. A family may also
+      take `rows` (int [R]) and return those rows' alone, [R, hidden_size], its last layer running
+      its MLP on them only (the runner's sampling steps: the rows it takes logits of); `forward`
+      gathers them from every row's for a family that does not.
   `model.compute_logits(hidden_rows [R, hidden_size]) -> float32 logits [R, vocab_size]`
   `model.backends -> tuple[Choice, ...]`
       The kernel choices made at build time, one per op the model calls, for logs and tests.
@@ -62,6 +65,8 @@ Cache specs
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -321,14 +326,32 @@ class ModelFamily(Protocol):
     @classmethod
     def cache_specs(cls, config: ModelConfig, options: ModelOptions) -> tuple[CacheSpec, ...]: ...
 
-    def __call__(self, caches: tuple, batch: ModelBatch) -> tuple[tuple, jax.Array]: ...
+    def __call__(
+        self, caches: tuple, batch: ModelBatch, rows: jax.Array | None = None
+    ) -> tuple[tuple, jax.Array]: ...
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array: ...
 
 
-def forward(graphdef, state, caches: tuple, batch: ModelBatch) -> tuple[tuple, jax.Array]:
-    """(caches, hidden [T, hidden_size]) of any family; pure, for jit with the caches donated."""
-    return nnx.merge(graphdef, state)(caches, batch)
+def forward(
+    graphdef, state, caches: tuple, batch: ModelBatch, rows: jax.Array | None = None
+) -> tuple[tuple, jax.Array]:
+    """(caches, hidden [T, hidden_size]) of any family; pure, for jit with the caches donated.
+    `rows`: the final hidden state of these rows only, [len(rows), hidden_size] (a family that
+    takes `rows` then runs its last layer's MLP on them alone; every layer still writes the
+    caches of every token)."""
+    model = nnx.merge(graphdef, state)
+    if rows is None:
+        return model(caches, batch)
+    if _takes_rows(type(model)):
+        return model(caches, batch, rows=rows)
+    caches, hidden = model(caches, batch)
+    return caches, hidden[rows]
+
+
+@functools.cache
+def _takes_rows(family: type) -> bool:
+    return "rows" in inspect.signature(family.__call__).parameters
 
 
 def compute_logits(graphdef, state, hidden_rows: jax.Array) -> jax.Array:

@@ -73,8 +73,8 @@ class DeepseekDecoderLayer(PreNormLayer):
         out, latent = self.self_attn(h, cos, sin, latent, batch)
         return out, (latent,)
 
-    def __call__(self, x, cos, sin, caches: tuple, batch: ModelBatch):
-        return self.residual(x, lambda h: self.attend(h, cos, sin, caches, batch))
+    def __call__(self, x, cos, sin, caches: tuple, batch: ModelBatch, rows=None):
+        return self.residual(x, lambda h: self.attend(h, cos, sin, caches, batch), rows)
 
 
 class DeepseekV3ForCausalLM(nnx.Module):
@@ -129,7 +129,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     # The protocol.
 
-    def __call__(self, caches: tuple, batch: ModelBatch):
+    def __call__(self, caches: tuple, batch: ModelBatch, rows: jax.Array | None = None):
         layers = self.model.layers
         n = len(layers)
         if len(caches) != n * self.num_pools:
@@ -142,7 +142,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
         for i, layer in enumerate(layers):
             # Spec order: spec 0's layers, then spec 1's (model/base.py).
             x, entries = layer(
-                x, cos, sin, tuple(caches[p * n + i] for p in range(self.num_pools)), batch
+                x,
+                cos,
+                sin,
+                tuple(caches[p * n + i] for p in range(self.num_pools)),
+                batch,
+                rows if i == n - 1 else None,
             )
             new.append(entries)
         return tuple(new[i][p] for p in range(self.num_pools) for i in range(n)), self.model.norm(x)

@@ -75,8 +75,10 @@ class GemmaDecoderLayer(PreNormLayer):
         )
         super().__init__(cfg, attention, mlp, norm=OffsetRMSNorm)
 
-    def __call__(self, x, cos, sin, kv_cache, batch, prefix_lens):
-        return self.residual(x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch, prefix_lens))
+    def __call__(self, x, cos, sin, kv_cache, batch, prefix_lens, rows=None):
+        return self.residual(
+            x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch, prefix_lens), rows
+        )
 
 
 class GemmaTextModel(DecoderStack):
@@ -101,17 +103,20 @@ class GemmaTextModel(DecoderStack):
         *,
         prefix_lens: jax.Array | None = None,
         position_offset: int = 0,
+        rows: jax.Array | None = None,
     ):
         """x [T, hidden]: the input embeddings; `position_offset` is added to the rotary positions
-        (PaliGemma counts from 1). Returns (caches, normed hidden [T, hidden])."""
+        (PaliGemma counts from 1). Returns (caches, normed hidden [T, hidden]; of `rows` only
+        where given)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache layers for {len(self.layers)} attention layers"
             )
         cos, sin = rotary_cos_sin(batch.positions + position_offset, self.rope, x.dtype)
         new_caches = []
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, batch, prefix_lens)
+        last = len(kv_caches) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, kv = layer(x, cos, sin, kv, batch, prefix_lens, rows if i == last else None)
             new_caches.append(kv)
         return tuple(new_caches), self.norm(x)
 
@@ -169,8 +174,8 @@ class GemmaForCausalLM(nnx.Module):
     def cache_specs(cls, config: ModelConfig, options: ModelOptions) -> tuple[PagedCacheSpec, ...]:
         return gemma_cache_specs(config, options)
 
-    def __call__(self, kv_caches: tuple, batch: ModelBatch):
-        return self.model(kv_caches, batch, self.model.embed(batch.token_ids))
+    def __call__(self, kv_caches: tuple, batch: ModelBatch, rows: jax.Array | None = None):
+        return self.model(kv_caches, batch, self.model.embed(batch.token_ids), rows=rows)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
         return lm_logits(hidden_rows, self.model.embed_tokens.weight[...])

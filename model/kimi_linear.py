@@ -200,10 +200,10 @@ class KimiDecoderLayer(PreNormLayer):
         self.kind = kind
         super().__init__(cfg, attention, mlp)
 
-    def __call__(self, x, entry: tuple, batch: ModelBatch):
+    def __call__(self, x, entry: tuple, batch: ModelBatch, rows=None):
         if self.kind == KDA:
-            return self.residual(x, lambda h: self.self_attn(h, entry, batch))
-        return self.residual(x, lambda h: self.self_attn(h, None, None, entry, batch))
+            return self.residual(x, lambda h: self.self_attn(h, entry, batch), rows)
+        return self.residual(x, lambda h: self.self_attn(h, None, None, entry, batch), rows)
 
 
 class KimiLinearForCausalLM(nnx.Module):
@@ -287,7 +287,7 @@ class KimiLinearForCausalLM(nnx.Module):
 
     # The protocol.
 
-    def __call__(self, caches: tuple, batch: ModelBatch):
+    def __call__(self, caches: tuple, batch: ModelBatch, rows: jax.Array | None = None):
         layers = self.model.layers
         if len(caches) != len(layers):
             raise ValueError(
@@ -295,8 +295,9 @@ class KimiLinearForCausalLM(nnx.Module):
             )
         x = self.model.embed_tokens(batch.token_ids)
         new = list(caches)
-        for layer, index in zip(layers, self.cache_index, strict=True):
-            x, new[index] = layer(x, caches[index], batch)
+        last = len(layers) - 1
+        for i, (layer, index) in enumerate(zip(layers, self.cache_index, strict=True)):
+            x, new[index] = layer(x, caches[index], batch, rows if i == last else None)
         return tuple(new), self.model.norm(x)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:

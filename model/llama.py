@@ -56,8 +56,8 @@ class DecoderLayer(PreNormLayer):
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dt)
         super().__init__(cfg, attention, mlp)
 
-    def __call__(self, x, cos, sin, kv_cache, batch):
-        return self.residual(x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch))
+    def __call__(self, x, cos, sin, kv_cache, batch, rows=None):
+        return self.residual(x, lambda h: self.self_attn(h, cos, sin, kv_cache, batch), rows)
 
 
 class LlamaModel(DecoderStack):
@@ -117,7 +117,7 @@ class LlamaForCausalLM(nnx.Module):
             ),
         )
 
-    def __call__(self, kv_caches: KVCache, batch: ModelBatch):
+    def __call__(self, kv_caches: KVCache, batch: ModelBatch, rows: jax.Array | None = None):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(
                 f"got {len(kv_caches)} KV cache layers for {len(self.model.layers)} attention layers"
@@ -125,8 +125,9 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens(batch.token_ids)
         cos, sin = rotary_cos_sin(batch.positions, self.model.rope, x.dtype)
         new_caches = []
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, kv = layer(x, cos, sin, kv, batch)
+        last = len(kv_caches) - 1
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            x, kv = layer(x, cos, sin, kv, batch, rows if i == last else None)
             new_caches.append(kv)
         return tuple(new_caches), self.model.norm(x)
 

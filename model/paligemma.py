@@ -100,7 +100,7 @@ class PaliGemmaForConditionalGeneration(nnx.Module):
         -> [N, num_image_tokens, hidden]: what replaces each image's placeholder tokens."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
-    def hidden_states(self, kv_caches: tuple, batch: ModelBatch):
+    def hidden_states(self, kv_caches: tuple, batch: ModelBatch, rows: jax.Array | None = None):
         x = self.language_model.embed(batch.token_ids)
         if (batch.mm_embeds is None) != (batch.mm_mask is None):
             raise ValueError("ModelBatch.mm_embeds and mm_mask come together (both or neither)")
@@ -112,10 +112,12 @@ class PaliGemmaForConditionalGeneration(nnx.Module):
                 )
             x = jnp.where(batch.mm_mask[:, None], batch.mm_embeds.astype(x.dtype), x)
         prefix = batch.kv_lens if self._prefix_is_whole_input else batch.prefix_lens
-        return self.language_model(kv_caches, batch, x, prefix_lens=prefix, position_offset=1)
+        return self.language_model(
+            kv_caches, batch, x, prefix_lens=prefix, position_offset=1, rows=rows
+        )
 
-    def __call__(self, kv_caches: tuple, batch: ModelBatch):
-        return self.hidden_states(kv_caches, batch)
+    def __call__(self, kv_caches: tuple, batch: ModelBatch, rows: jax.Array | None = None):
+        return self.hidden_states(kv_caches, batch, rows)
 
     def compute_logits(self, hidden_rows: jax.Array) -> jax.Array:
         return lm_logits(hidden_rows, self.language_model.embed_tokens.weight[...])

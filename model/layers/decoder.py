@@ -29,10 +29,16 @@ class PreNormLayer(nnx.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.mlp = mlp
 
-    def residual(self, x: jax.Array, attend: Callable[[jax.Array], tuple]) -> tuple:
-        """(layer output, cache entry); `attend(h)` gives (attention output, cache entry)."""
+    def residual(
+        self, x: jax.Array, attend: Callable[[jax.Array], tuple], rows: jax.Array | None = None
+    ) -> tuple:
+        """(layer output, cache entry); `attend(h)` gives (attention output, cache entry).
+        `rows`: only these rows of the output (the last layer of a step that needs the final
+        hidden state of a few rows: the MLP, most of a layer's cost, runs on those alone)."""
         h, entry = attend(self.input_layernorm(x))
         x = x + h
+        if rows is not None:
+            x = x[rows]
         return x + self.mlp(self.post_attention_layernorm(x)), entry
 
 
