@@ -25,7 +25,9 @@ The JSON also gives each side's model FLOPs (`model_flops`: the vision tower for
 side encoded, the projector, the text layers over every prompt and generated token with their
 attention, the LM head once per generated token), the host's f32 matmul peak
 (benchmarks/matmul_peak.py), each side's MFU, and `ratio_at_peak`: the ratio vlax would reach
-running its model FLOPs at that peak, the most this host allows in float32.
+running its model FLOPs at that peak. Both count the same model work for vlax, though vlax skips
+some of it (the last layer's MLP of the prompt tokens it samples nothing from: model/base.py
+`forward`), so its MFU may pass what it computes, and its ratio may pass ratio_at_peak.
 
 Each side also gives the CPU seconds of its timed region (process time, all threads) and the JSON
 their ratio (cpu_ratio): on a machine other processes load, wall time follows their load as much

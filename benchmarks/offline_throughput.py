@@ -202,7 +202,9 @@ def num_params(cfg=CONFIG) -> tuple[int, int]:
 
 
 def model_flops(prompts, out_lens) -> float:
-    """2 * matmul params per token plus attention (QK and PV, 4 * d_model * context per layer)."""
+    """2 * matmul params per token plus attention (QK and PV, 4 * d_model * context per layer):
+    the model's work, of which vlax skips the last layer's MLP for prompt tokens it samples
+    nothing from (model/base.py `forward`), so MFU counts a little more than it computes."""
     matmul, _ = num_params()
     h, layers = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
     flops = 0.0
