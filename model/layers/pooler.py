@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
+ONE_ROW = frozenset({"CLS", "LAST"})  # types that pool one token's state per sequence
 # torch.nn.functional.normalize's floor on the norm (sentence-transformers' Normalize module).
 NORMALIZE_EPS = 1e-12
 
@@ -25,21 +26,35 @@ def pool(
     if pooling_type not in POOLING_TYPES:
         raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}")
     num_tokens = hidden.shape[0]
+    if pooling_type in ONE_ROW:
+        index, present = pooled_rows(cu_q_lens, num_seqs, num_tokens, pooling_type)
+        return pool_rows(hidden[index], present)
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
     lengths = ends - starts
     present = (jnp.arange(starts.shape[0]) < num_seqs) & (lengths > 0)
-    if pooling_type == "CLS":
-        rows = hidden[jnp.clip(starts, 0, num_tokens - 1)].astype(jnp.float32)
-    elif pooling_type == "LAST":
-        rows = hidden[jnp.clip(ends - 1, 0, num_tokens - 1)].astype(jnp.float32)
-    else:
-        # Each token's sequence; tokens past the last sequence get S, which segment_sum drops.
-        seq_of_token = jnp.searchsorted(ends, jnp.arange(num_tokens), side="right")
-        sums = jax.ops.segment_sum(
-            hidden.astype(jnp.float32), seq_of_token, num_segments=starts.shape[0]
-        )
-        rows = sums / jnp.maximum(lengths, 1)[:, None].astype(jnp.float32)
+    # Each token's sequence; tokens past the last sequence get S, which segment_sum drops.
+    seq_of_token = jnp.searchsorted(ends, jnp.arange(num_tokens), side="right")
+    sums = jax.ops.segment_sum(
+        hidden.astype(jnp.float32), seq_of_token, num_segments=starts.shape[0]
+    )
+    rows = sums / jnp.maximum(lengths, 1)[:, None].astype(jnp.float32)
     return jnp.where(present[:, None], rows, 0.0).astype(hidden.dtype)
+
+
+def pooled_rows(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int, pooling_type: str
+) -> tuple[jax.Array, jax.Array]:
+    """(int32[S] the token row each sequence pools under a ONE_ROW type, bool[S] whether the
+    sequence is there): so the runner can ask the model for those rows' states alone."""
+    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
+    present = (jnp.arange(starts.shape[0]) < num_seqs) & (ends > starts)
+    index = starts if pooling_type == "CLS" else ends - 1
+    return jnp.clip(index, 0, num_tokens - 1), present
+
+
+def pool_rows(rows: jax.Array, present: jax.Array) -> jax.Array:
+    """pool's output from the pooled rows' states [S, H] (pooled_rows'): padding ones zeroed."""
+    return jnp.where(present[:, None], rows.astype(jnp.float32), 0.0).astype(rows.dtype)
 
 
 def normalize(x: jax.Array) -> jax.Array:

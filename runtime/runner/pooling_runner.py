@@ -27,7 +27,7 @@ from flax import nnx
 
 from model.base import forward
 from model.batch import ModelBatch
-from model.layers.pooler import NORMALIZE_EPS, pool
+from model.layers.pooler import NORMALIZE_EPS, ONE_ROW, pool, pool_rows, pooled_rows
 from runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from runtime.core.pooling_params import TOKEN_TASKS, PoolingParams
 from runtime.runner.in_flight import StepInFlight
@@ -39,8 +39,16 @@ log = logging.getLogger(__name__)
 
 @partial(jax.jit, static_argnames=("pooling_type", "classify", "want_hidden"), donate_argnums=(2,))
 def _pool_step(graphdef, params, caches, batch, *, pooling_type, classify, want_hidden):
-    caches, hidden = forward(graphdef, params, caches, batch)
-    pooled = pool(hidden, batch.cu_q_lens, batch.num_seqs, pooling_type)
+    if pooling_type in ONE_ROW and not want_hidden:
+        # One token's state a sequence: a family that takes rows runs its last MLP on those alone.
+        index, present = pooled_rows(
+            batch.cu_q_lens, batch.num_seqs, batch.token_ids.shape[0], pooling_type
+        )
+        caches, chosen = forward(graphdef, params, caches, batch, index)
+        pooled, hidden = pool_rows(chosen, present), None
+    else:
+        caches, hidden = forward(graphdef, params, caches, batch)
+        pooled = pool(hidden, batch.cu_q_lens, batch.num_seqs, pooling_type)
     model = nnx.merge(graphdef, params)
     logits = model.classify(pooled) if classify else None
     rows = None
