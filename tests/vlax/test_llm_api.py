@@ -115,6 +115,22 @@ def test_logprob_token_ids_return_those_ids_in_place_of_the_top_k(llm):
         llm.generate([prompt], SamplingParams(logprob_token_ids=[1, vocab]), use_tqdm=False)
 
 
+def test_steps_reading_every_row_agree_with_steps_reading_the_sampled_rows(llm):
+    """A step without prompt logprobs asks the model for the sampled rows' state alone (its last
+    MLP runs on those: model/base.py forward); one with prompt logprobs reads every row. Both give
+    the same tokens and, within f32 rounding of other dot shapes, the same logprobs."""
+    prompts = ["The capital of France is", "a b c d e f g h i j k l m n o p"]
+    kw = dict(temperature=0, max_tokens=6, logprobs=4, ignore_eos=True)
+    sampled = llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+    every = llm.generate(prompts, SamplingParams(**kw, prompt_logprobs=1), use_tqdm=False)
+    for a, b in zip(sampled, every, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert set(pa) == set(pb)
+            for t in pa:
+                assert pa[t].logprob == pytest.approx(pb[t].logprob, abs=1e-4)
+
+
 def test_detokenize_false_gives_token_ids_only(llm):
     """vLLM's detokenize=False: the same tokens, text "" and no decoded logprob tokens; stop
     strings (matched on the text) are refused with it."""
