@@ -245,11 +245,13 @@ class OutputProcessor:
             # the request's logprob_token_ids, ranked 1..n by their place). A token in both keeps
             # its later column's rank, as vLLM's dict of the columns does.
             for col, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
-                decoded = (
-                    None
-                    if self.tokenizer is None or not decode
-                    else self.tokenizer.decode([tid], skip_special_tokens=False)
-                )
+                seen = pos.get(tid)
+                if seen is not None:
+                    decoded = seen.decoded_token  # the sampled token again, in the top-k
+                elif self.tokenizer is None or not decode:
+                    decoded = None
+                else:
+                    decoded = self.tokenizer.decode([tid], skip_special_tokens=False)
                 pos[tid] = Logprob(lp, rank if col == 0 else col, decoded)
             out.append(pos)
         return out

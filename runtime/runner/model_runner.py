@@ -381,17 +381,8 @@ class ModelRunner:
             # step in flight's tokens are read back first (this step is then synchronous).
             self.collect(self._unread)
         vocab = self.model_config.vocab_size
-        k = logprobs_bucket(
-            max(
-                (
-                    r.sampling_params.num_logprobs
-                    for r in sampling
-                    if r.sampling_params.num_logprobs is not None
-                ),
-                default=None,
-            ),
-            vocab,
-        )
+        counts = [r.sampling_params.num_logprobs for r in sampling]
+        k = logprobs_bucket(max((n for n in counts if n is not None), default=None), vocab)
         metadata = make_sampling_metadata(
             [self._sampling_row(r) for r in sampling],
             num_rows=host_batch.arrays["logits_indices"].shape[0],

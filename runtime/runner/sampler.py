@@ -205,7 +205,8 @@ def sample(
     if raw_logprobs is None:
         return SamplerOutput(token_ids=token_ids)
     ids, values, ranks = gather_logprobs(raw_logprobs, token_ids, num_logprobs)
-    ids, values = _listed_logprobs(raw_logprobs, ids, values, metadata)
+    if metadata.needs_listed_logprobs:
+        ids, values = _listed_logprobs(raw_logprobs, ids, values, metadata)
     return SamplerOutput(token_ids, ids, values, ranks)
 
 

@@ -98,6 +98,7 @@ class SamplingMetadata:
     needs_top_k_top_p: bool = field(metadata={"static": True})
     needs_min_p: bool = field(metadata={"static": True})
     needs_allowed: bool = field(metadata={"static": True})
+    needs_listed_logprobs: bool = field(metadata={"static": True})
 
     @property
     def num_rows(self) -> int:
@@ -374,4 +375,5 @@ def make_sampling_metadata(
         needs_top_k_top_p=bool(np.any((top_k < vocab_size) | (top_p < 1.0))),
         needs_min_p=bool(np.any(min_p > 0)),
         needs_allowed=any(allowed),
+        needs_listed_logprobs=any(listed),
     )

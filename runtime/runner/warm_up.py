@@ -109,6 +109,7 @@ def sampler_key(runner, sampling_params) -> tuple:
         metadata.needs_top_k_top_p,
         metadata.needs_min_p,
         metadata.needs_allowed,
+        metadata.needs_listed_logprobs,
     )
 
 
